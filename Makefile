@@ -1,0 +1,27 @@
+# The two commands a newcomer needs:
+#   make serve   set up, then serve the embedded deployment on http://localhost:8000
+#   make test    set up, then run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPLOYMENT ?= embedded
+PORT ?= 8000
+
+.PHONY: setup serve test bench clean
+
+setup: .setup-stamp
+
+.setup-stamp: pyproject.toml scripts/setup.sh
+	scripts/setup.sh
+	touch $@
+
+serve: setup
+	$(PY) -m serving --deployment $(DEPLOYMENT) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/api_overhead.py
+
+clean:
+	rm -rf $(VENV) .setup-stamp .models

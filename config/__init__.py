@@ -1,0 +1,26 @@
+"""models.yaml: its schema, its loader, and resolved deployments. Imports nothing of the project."""
+
+from config.deployment import (
+    DEFAULT_PATH,
+    ConfigError,
+    Deployment,
+    ReplicaConfig,
+    load,
+    load_deployment,
+    resolve,
+)
+from config.schema import ModelsFile, QosClass, Slo, Tier
+
+__all__ = [
+    "DEFAULT_PATH",
+    "ConfigError",
+    "Deployment",
+    "ModelsFile",
+    "QosClass",
+    "ReplicaConfig",
+    "Slo",
+    "Tier",
+    "load",
+    "load_deployment",
+    "resolve",
+]

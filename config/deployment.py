@@ -1,0 +1,173 @@
+"""Load models.yaml and resolve one named deployment into the plain data the other packages use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from config.schema import ModelsFile, PolicySpec, Profile, QosClass, Slo, Tier, TinyBuild
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
+
+
+class ConfigError(ValueError):
+    """models.yaml is unreadable or wrong; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    name: str
+    """Unique within the deployment, e.g. 'cuda:0/opt-6.7b' or 'cpu/tiny-l'."""
+    model: str
+    source: str
+    """A Hugging Face id or an absolute local path."""
+    device: str | None
+    url: str | None
+    served_name: str
+    memory_fraction: float | None
+    kv_cache_gib: float | None
+    cpu_cores: str | None
+    engine_args: dict[str, object]
+    chat_template: str | None
+    """The model's own override of its tokenizer's chat template."""
+    fallback_chat_template: str | None
+    """For tokenizers without a chat template."""
+    build: TinyBuild | None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    replicas: list[ReplicaConfig]
+    quality: dict[str, dict[str, float]]
+    """task -> model -> quality, each task normalised so the deployment's best model scores 1."""
+    slo: Slo
+    qos_classes: dict[str, QosClass]
+    tiers: dict[str, Tier]
+    anonymous_tier: str | None
+    api_keys: dict[str, str] = field(repr=False)
+    """key -> tier, for the keys that resolved (an unset key_env grants nothing)."""
+    policy: PolicySpec
+    profile: Profile | None
+
+    @property
+    def models(self) -> list[str]:
+        """The deployment's models, each once, in placement order."""
+        return list(dict.fromkeys(r.model for r in self.replicas))
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.quality)
+
+
+def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return ModelsFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}")
+    return "; ".join(parts)
+
+
+def resolve(
+    spec: ModelsFile, name: str | None = None, base_dir: str | Path = DEFAULT_PATH.parent
+) -> Deployment:
+    """The deployment `name` (default: the file's default) as plain data.
+
+    Relative model paths resolve against `base_dir`, the directory that holds models.yaml.
+    """
+    name = name or spec.default_deployment
+    if name not in spec.deployments:
+        raise ConfigError(f"unknown deployment {name!r} (known: {', '.join(spec.deployments)})")
+    dep = spec.deployments[name]
+    replicas = _replicas(spec, dep.placement, dep.engine_args, Path(base_dir))
+    models = list(dict.fromkeys(r.model for r in replicas))
+    return Deployment(
+        name=name,
+        replicas=replicas,
+        quality=_normalised_quality(spec, models),
+        slo=spec.slo,
+        qos_classes=spec.qos_classes,
+        tiers=spec.tiers,
+        anonymous_tier=spec.anonymous_tier,
+        api_keys={k: key.tier for key in spec.api_keys if (k := key.resolve())},
+        policy=dep.policy,
+        profile=spec.profiles[dep.profile] if dep.profile else None,
+    )
+
+
+def load_deployment(path: str | Path = DEFAULT_PATH, name: str | None = None) -> Deployment:
+    path = Path(path).resolve()
+    return resolve(load(path), name, path.parent)
+
+
+def _replicas(
+    spec: ModelsFile, placement: str, engine_args: dict[str, object], base_dir: Path
+) -> list[ReplicaConfig]:
+    replicas: list[ReplicaConfig] = []
+    for entry in spec.placements[placement]:
+        model = spec.models[entry.model]
+        source = model.source
+        if model.build is not None or source.startswith((".", "/")):
+            source = str((base_dir / source).resolve())
+        locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
+        for device, url in locations:
+            where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]
+            replicas.append(
+                ReplicaConfig(
+                    name=f"{where}/{entry.model}",
+                    model=entry.model,
+                    source=source,
+                    device=device,
+                    url=url,
+                    served_name=entry.served_name or model.source,
+                    memory_fraction=entry.memory_fraction,
+                    kv_cache_gib=entry.kv_cache_gib,
+                    cpu_cores=entry.cpu_cores,
+                    engine_args={**engine_args, **entry.engine_args},
+                    chat_template=model.chat_template,
+                    fallback_chat_template=spec.chat_template,
+                    build=model.build,
+                )
+            )
+    names = [r.name for r in replicas]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise ConfigError(f"placements.{placement}: replicas repeat: {', '.join(dupes)}")
+    return replicas
+
+
+def _normalised_quality(spec: ModelsFile, models: list[str]) -> dict[str, dict[str, float]]:
+    quality: dict[str, dict[str, float]] = {}
+    for task, row in spec.quality.tasks.items():
+        values = {}
+        for model in models:
+            stand_in = spec.models[model].stands_in_for
+            key = model if model in row else stand_in
+            if key not in row:
+                raise ConfigError(
+                    f"quality.tasks.{task}: no value for {model!r}"
+                    + (f" or {stand_in!r}, which it stands in for" if stand_in else "")
+                )
+            values[model] = row[key]
+        best = max(values.values())
+        if best <= 0:
+            raise ConfigError(f"quality.tasks.{task}: every model of the deployment scores 0")
+        quality[task] = {model: v / best for model, v in values.items()}
+    return quality

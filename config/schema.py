@@ -1,0 +1,212 @@
+"""The typed form of models.yaml.
+
+Every section is a pydantic model that forbids unknown keys, so a typo is an error that names the
+field. Cross-references (a deployment's placement, a tier's classes, a quality row's models) are
+checked once, here, so no later code has to.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Slo(Strict):
+    tpot_s: PositiveFloat
+    """Deadline per output token: (last token time - arrival) / output tokens must not exceed it."""
+
+
+class TinyBuild(Strict):
+    """Shape of a tiny OPT built locally with random weights."""
+
+    hidden_size: Annotated[int, Field(gt=0)]
+    num_layers: Annotated[int, Field(gt=0)]
+    num_heads: Annotated[int, Field(gt=0)]
+    ffn_dim: Annotated[int, Field(gt=0)]
+    max_positions: Annotated[int, Field(gt=0)] = 2048
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> TinyBuild:
+        head_dim, rest = divmod(self.hidden_size, self.num_heads)
+        if rest or head_dim not in (64, 128):
+            raise ValueError(
+                f"hidden_size / num_heads must be 64 or 128 (the CPU attention kernel's head sizes), "
+                f"got {self.hidden_size} / {self.num_heads}"
+            )
+        return self
+
+
+class ModelSpec(Strict):
+    source: str
+    """A Hugging Face id, or a local directory (relative paths are relative to models.yaml)."""
+    stands_in_for: str | None = None
+    """Another model whose quality row this one takes (the tiny models stand in for OPT sizes)."""
+    build: TinyBuild | None = None
+    """If set, the model is built at `source` on first use instead of downloaded."""
+    chat_template: str | None = None
+    """Overrides the tokenizer's chat template and the file-wide fallback."""
+
+
+class Quality(Strict):
+    source: str
+    derived: dict[str, str] = {}
+    """Rows that were not measured, and how they were made."""
+    tasks: dict[str, dict[str, Annotated[float, Field(ge=0)]]]
+    """task -> model -> quality."""
+
+
+class ReplicaEntry(Strict):
+    """One line of a placement: a model on one device, on several, or behind a URL."""
+
+    model: str
+    device: str | None = None
+    devices: list[str] | None = None
+    url: str | None = None
+    served_name: str | None = None
+    """The name the server at `url` knows the model by; defaults to the model's source."""
+    memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
+    kv_cache_gib: PositiveFloat | None = None
+    cpu_cores: str | None = None
+    engine_args: dict[str, object] = {}
+
+    @model_validator(mode="after")
+    def _one_location(self) -> ReplicaEntry:
+        given = [name for name in ("device", "devices", "url") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of device, devices or url (got {given or 'none'})")
+        for device in self.device_list():
+            if not (device == "cpu" or device.startswith("cuda:")):
+                raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+        return self
+
+    def device_list(self) -> list[str]:
+        if self.devices is not None:
+            return self.devices
+        return [self.device] if self.device is not None else []
+
+
+class ProfileModel(Strict):
+    prefill_s_per_token: Annotated[float, Field(ge=0)]
+    step_s: dict[Annotated[int, Field(gt=0)], PositiveFloat]
+    """Batch size -> time of one decode step."""
+
+
+class Profile(Strict):
+    hardware: str
+    source: Literal["measured", "derived"]
+    how: str
+    """For measured profiles: where, when and by which command. For derived ones: the method."""
+    models: dict[str, ProfileModel]
+
+
+class QosClass(Strict):
+    urgency: Annotated[int, Field(ge=0, le=7)]
+    """RFC 9218 urgency: 0 is the most urgent."""
+    deadline_s: PositiveFloat
+    """Time from arrival to the first token."""
+    level: Literal["high", "low"]
+    """The multi-level scheduler's queue."""
+    reward_weight: Annotated[float, Field(ge=0)] = 1.0
+
+
+class Tier(Strict):
+    classes: list[str]
+    default: str
+
+    @model_validator(mode="after")
+    def _default_granted(self) -> Tier:
+        if self.default not in self.classes:
+            raise ValueError(f"default {self.default!r} is not among classes {self.classes}")
+        return self
+
+
+class ApiKey(Strict):
+    key: str | None = None
+    key_env: str | None = None
+    """Name of an environment variable that holds the key; an unset variable grants nothing."""
+    tier: str
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKey:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("give exactly one of key or key_env")
+        return self
+
+    def resolve(self) -> str | None:
+        return self.key if self.key is not None else os.environ.get(self.key_env or "") or None
+
+
+class PolicySpec(Strict):
+    name: str
+    max_running: Annotated[int, Field(gt=0)] = 8
+    """quality-threshold: a replica at or above this many running requests counts as full."""
+
+
+class DeploymentSpec(Strict):
+    placement: str
+    profile: str | None = None
+    policy: PolicySpec = PolicySpec(name="quality-threshold")
+    engine_args: dict[str, object] = {}
+    """Passed to every vLLM engine of the deployment (a replica's own engine_args win)."""
+
+
+class ModelsFile(Strict):
+    slo: Slo
+    chat_template: str | None = None
+    models: dict[str, ModelSpec]
+    quality: Quality
+    placements: dict[str, list[ReplicaEntry]]
+    profiles: dict[str, Profile] = {}
+    qos_classes: dict[str, QosClass]
+    tiers: dict[str, Tier]
+    anonymous_tier: str | None
+    api_keys: list[ApiKey] = []
+    deployments: dict[str, DeploymentSpec]
+    default_deployment: str
+
+    @model_validator(mode="after")
+    def _references(self) -> ModelsFile:
+        errors: list[str] = []
+
+        def need(kind: str, name: str | None, known: dict, where: str) -> None:
+            if name is not None and name not in known:
+                errors.append(f"{where}: unknown {kind} {name!r} (known: {', '.join(known)})")
+
+        for name, model in self.models.items():
+            need("model", model.stands_in_for, self.models, f"models.{name}.stands_in_for")
+        for task, row in self.quality.tasks.items():
+            for model in row:
+                need("model", model, self.models, f"quality.tasks.{task}")
+        for name, entries in self.placements.items():
+            share: dict[str, float] = {}
+            for i, entry in enumerate(entries):
+                need("model", entry.model, self.models, f"placements.{name}[{i}].model")
+                for device in entry.device_list():
+                    if device != "cpu" and entry.memory_fraction is not None:
+                        share[device] = share.get(device, 0.0) + entry.memory_fraction
+            for device, total in share.items():
+                if total >= 1:
+                    errors.append(f"placements.{name}: memory fractions on {device} add up to {total:.2f}")
+        for name, profile in self.profiles.items():
+            for model in profile.models:
+                need("model", model, self.models, f"profiles.{name}.models")
+        for name, tier in self.tiers.items():
+            for cls in tier.classes:
+                need("QoS class", cls, self.qos_classes, f"tiers.{name}.classes")
+        need("tier", self.anonymous_tier, self.tiers, "anonymous_tier")
+        for i, key in enumerate(self.api_keys):
+            need("tier", key.tier, self.tiers, f"api_keys[{i}].tier")
+        for name, dep in self.deployments.items():
+            need("placement", dep.placement, self.placements, f"deployments.{name}.placement")
+            need("profile", dep.profile, self.profiles, f"deployments.{name}.profile")
+        need("deployment", self.default_deployment, self.deployments, "default_deployment")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self

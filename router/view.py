@@ -1,0 +1,31 @@
+"""What a policy sees of the cluster: plain data, the same whether it comes from the live gateway
+or from the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    name: str
+    model: str
+    running: int
+    """Requests dispatched here and not yet finished."""
+    available: bool
+    """Healthy, and allowed for this request (a request that names a model allows only its replicas)."""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    replicas: tuple[ReplicaState, ...]
+
+    def least_loaded(self, model: str | None = None) -> int | None:
+        """Index of the available replica (of `model`, if given) with the fewest running requests;
+        ties go to the first listed. None if there is none."""
+        best: int | None = None
+        for i, r in enumerate(self.replicas):
+            if r.available and (model is None or r.model == model):
+                if best is None or r.running < self.replicas[best].running:
+                    best = i
+        return best

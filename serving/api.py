@@ -1,0 +1,274 @@
+"""The OpenAI-compatible HTTP API. Routes parse, call the gateway, and format; nothing more.
+
+It knows the gateway's interface only: not the policy, the engines or the transport underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from serving.gateway import AUTO, Gateway, GatewayError, Generation
+from serving.protocol import ChatCompletionRequest, CompletionRequest, _Generate
+from transport.qos import QosClassifier, QosRejected
+from workloads import Request as LlmRequest
+
+log = logging.getLogger(__name__)
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def create_app(gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan | None = None) -> FastAPI:
+    app = FastAPI(title="QoS-aware LLM serving", lifespan=lifespan)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        prompt = tuple(m.to_message() for m in body.messages)
+        return await _serve(gateway, classifier, body, prompt, raw, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await _serve(gateway, classifier, body, body.text, raw, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        cards = [{"id": AUTO, "object": "model", "created": created, "owned_by": "router",
+                  "replicas": [r.name for r in gateway.replicas]}]
+        for model in gateway.deployment.models:
+            cards.append({"id": model, "object": "model", "created": created, "owned_by": "serving",
+                          "replicas": [r.name for r in gateway.replicas if r.model == model]})
+        return {"object": "list", "data": cards}
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
+        ok = any(replicas.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "replicas": replicas},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    _install_error_handlers(app)
+    return app
+
+
+async def _serve(
+    gateway: Gateway,
+    classifier: QosClassifier,
+    body: _Generate,
+    prompt: Any,
+    raw: Request,
+    chat: bool,
+) -> Response:
+    arrival = gateway.clock()
+    qos = classifier.classify(raw.headers)
+    request = LlmRequest(
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        arrival=arrival,
+        prompt=prompt,
+        max_tokens=body.max_tokens,
+        qos_class=qos.qos_class,
+        task=body.task,
+    )
+    generation = await gateway.start(request, body.sampling(), body.model)
+    headers = {
+        "x-request-id": request.request_id,
+        "x-model": generation.model,
+        "x-replica": generation.replica.name,
+        "x-qos-class": qos.qos_class,
+    }
+    shape = _Shape(generation, chat)
+    if body.stream:
+        return GenerationStream(generation, shape.sse(body.include_usage), headers)
+    return JSONResponse(await _complete(generation, shape, raw.receive), headers=headers)
+
+
+class _Shape:
+    """OpenAI's response shapes for one generation: chat or text completion, chunk or whole."""
+
+    def __init__(self, generation: Generation, chat: bool) -> None:
+        self.generation = generation
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        g = self.generation
+        return {"id": g.request.request_id, "object": obj, "created": self.created,
+                "model": g.model, "replica": g.replica.name, "choices": choices}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def whole(self, text: str) -> dict[str, Any]:
+        g = self.generation
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": g.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": g.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = self.usage()
+        return body
+
+    def usage(self) -> dict[str, int]:
+        g = self.generation
+        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                "total_tokens": g.prompt_tokens + g.completion_tokens}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        first = True
+        try:
+            async for delta in self.generation:
+                yield _event(self.chunk(delta.text, delta.finish_reason, first))
+                first = False
+            if include_usage:
+                usage_chunk = self._envelope(
+                    "chat.completion.chunk" if self.chat else "text_completion", []
+                )
+                usage_chunk["usage"] = self.usage()
+                yield _event(usage_chunk)
+        except GatewayError as exc:
+            # Headers are gone; the error travels as an event the OpenAI client raises on.
+            yield _event(_error_body(exc.status, exc.message, exc.code, exc.param))
+        yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events for one generation.
+
+    It watches for the client going away while it streams (Starlette, for ASGI 2.4 servers, only
+    notices on the next failed write, which can be long while a request waits in a queue), and
+    it closes the generation however the stream ends, which frees the replica.
+    """
+
+    def __init__(self, generation: Generation, events: AsyncIterator[str], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client is gone; the watcher below sees it too
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.generation.aclose()
+
+
+async def _complete(generation: Generation, shape: _Shape, receive: Receive) -> dict[str, Any]:
+    """The whole response, unless the client disconnects first; then the request is aborted."""
+    texts: list[str] = []
+
+    async def collect() -> None:
+        async for delta in generation:
+            texts.append(delta.text)
+
+    try:
+        await _unless_disconnected(receive, collect())
+    finally:
+        with anyio.CancelScope(shield=True):
+            await generation.aclose()
+    return shape.whole("".join(texts))
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> None:
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, watch_task):
+            task.cancel()
+        await asyncio.gather(work_task, watch_task, return_exceptions=True)
+    if not work_task.cancelled() and work_task.exception() is None:
+        return
+    if watch_task.done() and not watch_task.cancelled():
+        raise ClientGone()
+    work_task.result()  # re-raise the work's own error
+
+
+def _error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, code: str | None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, code, param), status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(QosRejected)
+    async def qos_rejected(_: Request, exc: QosRejected) -> JSONResponse:
+        codes = {401: "invalid_api_key", 403: "qos_class_not_granted"}
+        return _error(exc.status, exc.message, codes.get(exc.status, "invalid_qos_class"))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"The body is not valid JSON: {first.get('msg')}.", "invalid_json")
+        field = ".".join(loc) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        where = field or "the request body (a JSON object)"
+        return _error(400, f"{where}: {message}", "invalid_value", field)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the status is for access logs
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(500, "Internal server error; see the server log.", "internal_error")

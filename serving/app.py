@@ -1,0 +1,37 @@
+"""Assemble a deployment into a servable ASGI app: engines, replica set, policy, gateway, API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from config import Deployment
+from router.policies import make_policy
+from serving.api import create_app
+from serving.gateway import Gateway
+from serving.metrics import Metrics
+from serving.replicas import ReplicaSet
+from transport.qos import QosClassifier
+
+
+def build_app(deployment: Deployment, policy: str | None = None) -> FastAPI:
+    """The app for `deployment`. Its engines start with the app's lifespan and stop with it."""
+    replicas = ReplicaSet.from_deployment(deployment)
+    gateway = Gateway(deployment, replicas, make_policy(deployment, policy), Metrics(replicas))
+    classifier = QosClassifier(
+        deployment.qos_classes, deployment.tiers, deployment.api_keys, deployment.anonymous_tier
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await replicas.start()
+        try:
+            yield
+        finally:
+            await replicas.close()
+
+    app = create_app(gateway, classifier, lifespan)
+    app.state.gateway = gateway
+    return app

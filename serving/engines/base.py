@@ -1,0 +1,83 @@
+"""The Engine interface and the plain data that crosses it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from workloads import Request
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample; the OpenAI request fields an engine honours."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    """Generate exactly max_tokens (a vLLM extension; benchmarks use it)."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New output since the previous delta of the same request."""
+
+    text: str
+    """Detokenised text of the new tokens (may be empty while a multi-byte character is split)."""
+    tokens: int
+    """How many tokens this delta adds."""
+    prompt_tokens: int
+    """Length of the prompt as the engine tokenised it."""
+    finish_reason: str | None = None
+    """Set on the last delta: 'stop' or 'length'."""
+
+
+class InvalidRequest(Exception):
+    """The request cannot be served as asked (a 4xx): too long for the context, bad parameters."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineError(Exception):
+    """The engine failed while serving a request it had accepted."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine is down: it died, or it cannot be reached."""
+
+
+class Engine(Protocol):
+    """One model instance that generates tokens. A replica owns one."""
+
+    async def start(self) -> None:
+        """Load the model or connect; raises if it cannot serve."""
+        ...
+
+    def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        """Stream the request's output. Raises InvalidRequest before the first delta if the
+        request does not fit the model; raises EngineError if the engine fails.
+        Closing the iterator early aborts the request in the engine."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its slot; a no-op for an unknown id."""
+        ...
+
+    def healthy(self) -> bool:
+        """Cheap and local: whether new requests may be sent here."""
+        ...
+
+    def unfinished(self) -> int:
+        """Requests the engine itself still holds, as it counts them."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,169 @@
+"""An engine behind any OpenAI-compatible `vllm serve` URL: how the system reaches past one machine.
+
+It speaks through the official `openai` client, which already handles streaming, error bodies and
+timeouts. While the server cannot be reached the engine reports itself unhealthy, and a probe
+brings it back when the server answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+
+from config import ReplicaConfig
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
+from workloads import Request
+
+log = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    def __init__(
+        self, config: ReplicaConfig, probe_interval_s: float = 2.0, read_timeout_s: float = 60.0
+    ) -> None:
+        if config.url is None:
+            raise ValueError(f"{config.name}: a remote engine needs a url")
+        self.config = config
+        self.probe_interval_s = probe_interval_s
+        self._client = openai.AsyncOpenAI(
+            base_url=config.url,
+            api_key="unused",  # vllm serve ignores it unless started with --api-key
+            max_retries=0,  # the gateway decides where a failed request goes, not the client
+            timeout=httpx.Timeout(read_timeout_s, connect=5.0),
+        )
+        self._healthy = False
+        self._open: set[str] = set()
+        self._streams: dict[str, openai.AsyncStream] = {}
+        self._probe: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if await self._reachable():
+            self._healthy = True
+        else:
+            log.warning("%s: %s does not answer; will keep trying", self.config.name, self.config.url)
+            self._mark_down()
+
+    async def _reachable(self) -> bool:
+        try:
+            models = await self._client.models.list()
+        except (openai.APIConnectionError, openai.APIStatusError):
+            return False
+        served = {m.id for m in models.data}
+        if self.config.served_name not in served:
+            raise RuntimeError(
+                f"{self.config.name}: {self.config.url} serves {sorted(served)}, not "
+                f"{self.config.served_name!r}; set served_name in models.yaml"
+            )
+        return True
+
+    def _mark_down(self) -> None:
+        self._healthy = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        last_problem = ""
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                if await self._reachable():
+                    log.info("%s: %s answers again", self.config.name, self.config.url)
+                    self._healthy = True
+                    return
+            except RuntimeError as exc:  # it answers, but not with this model: say so, once
+                if str(exc) != last_problem:
+                    log.error("%s", exc)
+                    last_problem = str(exc)
+
+    async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        if not self._healthy:
+            raise EngineUnavailable(f"{self.config.name}: {self.config.url} is unreachable")
+        self._open.add(request.request_id)
+        try:
+            stream = await self._create(request, sampling)
+            self._streams[request.request_id] = stream
+            generated = 0
+            async for chunk in stream:
+                usage = chunk.usage
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                text = (choice.delta.content if request.is_chat else choice.text) or ""
+                # vLLM's continuous usage gives exact counts; other servers send one token a chunk.
+                total = usage.completion_tokens if usage else generated + (1 if text else 0)
+                yield TokenDelta(
+                    text=text,
+                    tokens=total - generated,
+                    prompt_tokens=usage.prompt_tokens if usage else 0,
+                    finish_reason=choice.finish_reason,
+                )
+                generated = total
+        except openai.BadRequestError as exc:
+            raise InvalidRequest(_message(exc), _error_field(exc, "param")) from exc
+        except (openai.APIConnectionError, httpx.TransportError) as exc:
+            self._mark_down()
+            raise EngineUnavailable(f"{self.config.name}: lost {self.config.url}: {exc}") from exc
+        except openai.APIError as exc:
+            raise EngineError(f"{self.config.name}: {_message(exc)}") from exc
+        finally:
+            self._open.discard(request.request_id)
+            stream = self._streams.pop(request.request_id, None)
+            if stream is not None:
+                await stream.close()  # vllm serve aborts a request whose connection closes
+
+    async def _create(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
+        common = dict(
+            model=self.config.served_name,
+            max_tokens=request.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": sampling.ignore_eos},
+        )
+        if request.is_chat:
+            messages = [{"role": m.role, "content": m.content} for m in request.prompt]
+            return await self._client.chat.completions.create(messages=messages, **common)
+        return await self._client.completions.create(prompt=request.prompt, **common)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            await stream.close()
+
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def unfinished(self) -> int:
+        return len(self._open)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        await self._client.close()
+
+
+def _error_field(exc: openai.APIError, field: str) -> str | None:
+    """A field of the server's OpenAI-shaped error body, where it sent one."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    inner = body.get("error", body)
+    value = inner.get(field) if isinstance(inner, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _message(exc: openai.APIError) -> str:
+    return _error_field(exc, "message") or exc.message

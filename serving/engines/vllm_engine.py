@@ -1,0 +1,225 @@
+"""An in-process vLLM engine (AsyncLLM) on one device: a GPU, or the CPU through the vLLM CPU build."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from config import ReplicaConfig
+from serving.embedded import ensure_built
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
+from workloads import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(self, config: ReplicaConfig) -> None:
+        if config.device is None:
+            raise ValueError(f"{config.name}: a vLLM engine needs a device")
+        self.config = config
+        self._llm: AsyncLLM | None = None
+        self._tokenizer = None
+        self._chat_template: str | None = None
+        self.max_model_len = 0
+
+    async def start(self) -> None:
+        if self.config.build is not None:
+            await asyncio.to_thread(ensure_built, self.config.source, self.config.build)
+        if self.config.device == "cpu":
+            # Picks vLLM's CPU platform even where the CUDA wheel is installed under the CPU build.
+            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        # Imported here: importing vLLM takes seconds, and remote-only deployments never need it.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.config.source,
+            served_model_name=[self.config.model],
+            disable_log_stats=True,
+            **self._memory_args(),
+            **self.config.engine_args,  # type: ignore[arg-type]
+        )
+        async with _SPAWN_ENV.use(self._spawn_env()):
+            # Construction blocks while the engine processes start; a thread keeps the loop free,
+            # so several engines start at once.
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._tokenizer = self._llm.get_tokenizer()
+        self.max_model_len = self._llm.model_config.max_model_len
+        self._chat_template = (
+            self.config.chat_template
+            or getattr(self._tokenizer, "chat_template", None)
+            or self.config.fallback_chat_template
+        )
+        log.info("%s: ready, context %d tokens", self.config.name, self.max_model_len)
+
+    def _memory_args(self) -> dict[str, object]:
+        if self.config.kv_cache_gib is not None:
+            return {"kv_cache_memory_bytes": int(self.config.kv_cache_gib * 2**30)}
+        if self.config.memory_fraction is not None:
+            return {"gpu_memory_utilization": self.config.memory_fraction}
+        return {}
+
+    def _spawn_env(self) -> dict[str, str]:
+        """What the engine's processes must see when they start, to land on this replica's device."""
+        device = self.config.device or "cpu"
+        if device == "cpu":
+            # vLLM's default ("auto") binds the engine's threads to all cores but one, which it
+            # leaves to the front-end; that split measured steadier and faster than letting the
+            # OS float the threads (benchmarks/api_overhead.py). A placement may pin other cores.
+            return {"VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_cores or "auto"}
+        index = device.removeprefix("cuda:")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:  # cuda:N counts within what the server itself was given
+            index = visible.split(",")[int(index)]
+        return {"CUDA_VISIBLE_DEVICES": index}
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        tokenizer = self._tokenizer
+        if not request.is_chat:
+            return tokenizer.encode(request.prompt)
+        messages = [{"role": m.role, "content": m.content} for m in request.prompt]
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
+        )
+        # As vLLM does: a chat template writes its own special tokens.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _sampling_params(self, request: Request, sampling: Sampling, prompt_len: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"and the prompt has {prompt_len}.",
+                param="messages" if request.is_chat else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = request.max_tokens if request.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop),
+            seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._running()
+        ids = self._prompt_ids(request)
+        params = self._sampling_params(request, sampling, len(ids))
+        try:
+            # Closing this generator early (client gone, deadline) makes vLLM abort the request.
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
+                                          request.request_id):
+                completion = out.outputs[0]
+                yield TokenDelta(
+                    text=completion.text,
+                    tokens=len(completion.token_ids),
+                    prompt_tokens=len(ids),
+                    finish_reason=completion.finish_reason if out.finished else None,
+                )
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"{self.config.name}: the engine died") from exc
+        except VLLMClientError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        except Exception as exc:
+            raise EngineError(f"{self.config.name}: {type(exc).__name__}: {exc}") from exc
+
+    def _running(self) -> AsyncLLM:
+        if self._llm is None:
+            raise EngineUnavailable(f"{self.config.name}: not started")
+        if self._llm.errored:
+            raise EngineUnavailable(f"{self.config.name}: the engine died")
+        return self._llm
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None and not self._llm.errored:
+            await self._llm.abort(request_id)
+
+    def healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    def unfinished(self) -> int:
+        return self._llm.get_num_unfinished_requests() if self._llm is not None else 0
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+            self._llm = None
+
+
+class _SpawnEnvironment:
+    """Engine processes inherit the environment of the moment they start, so engines that need
+    different variables (another GPU, other cores) must not start at the same time. Engines that
+    need the same ones may: each group of equal settings starts together, one group at a time."""
+
+    def __init__(self) -> None:
+        self._current: frozenset[tuple[str, str]] | None = None
+        self._users = 0
+        self._saved: dict[str, str | None] = {}
+        self._changed: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def use(self, env: dict[str, str]) -> AsyncIterator[None]:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        key = frozenset(env.items())
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._users == 0 or self._current == key)
+            if self._users == 0:
+                self._current = key
+                self._saved = {name: os.environ.get(name) for name in env}
+                os.environ.update(env)
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._users -= 1
+                if self._users == 0:
+                    _restore(self._saved)
+                    self._current = None
+                self._changed.notify_all()
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+_SPAWN_ENV = _SpawnEnvironment()

@@ -1,0 +1,274 @@
+"""The request lifecycle: route, dispatch, stream, account.
+
+The gateway encodes the live cluster with the router's feature code, asks the policy for a
+replica, and hands back a `Generation` once the first token exists, so that anything that goes
+wrong before then is still an ordinary HTTP error. It does not know which policy it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from config import Deployment
+from router.features import ArrivalRateEstimator, FeatureEncoder
+from router.policies import Policy
+from serving import metrics as outcomes
+from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling, TokenDelta
+from serving.metrics import Metrics
+from serving.replicas import Replica, ReplicaSet
+from workloads import Request
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class GatewayError(Exception):
+    """A request the gateway could not serve. Carries what the client and the metrics need."""
+
+    status = 500
+    code = "internal_error"
+    outcome = outcomes.ENGINE_ERROR
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(GatewayError):
+    status, code, outcome = 400, "invalid_request_error", outcomes.INVALID
+
+
+class ModelNotFound(GatewayError):
+    status, code, outcome = 404, "model_not_found", outcomes.INVALID
+
+
+class NoReplicaAvailable(GatewayError):
+    status, code, outcome = 503, "service_unavailable", outcomes.UNAVAILABLE
+
+
+class DeadlineExceeded(GatewayError):
+    status, code, outcome = 504, "deadline_exceeded", outcomes.DEADLINE
+
+
+class EngineFailed(GatewayError):
+    status, code, outcome = 500, "engine_error", outcomes.ENGINE_ERROR
+
+
+AUTO = "auto"
+"""The model name that lets the router choose."""
+
+
+class Gateway:
+    def __init__(
+        self,
+        deployment: Deployment,
+        replicas: ReplicaSet,
+        policy: Policy,
+        metrics: Metrics,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.deployment = deployment
+        self.replicas = replicas
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.encoder = FeatureEncoder(
+            [r.name for r in replicas], deployment.tasks, list(deployment.qos_classes)
+        )
+        self.rate = ArrivalRateEstimator()
+
+    async def start(self, request: Request, sampling: Sampling, model: str = AUTO) -> Generation:
+        """Dispatch `request` and wait for its first token.
+
+        Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
+        that turns out to be down before producing anything is skipped, and the next choice tried.
+        """
+        rate = self.rate.observe(self.clock())
+        skipped: set[str] = set()
+        while True:
+            try:
+                self._check(request, model)
+                replica = self._route(request, model, rate, skipped)
+            except GatewayError as exc:
+                # Never a client-chosen label value: an unknown name would grow the metric forever.
+                label = model if model in self.deployment.models else "none"
+                self.metrics.requests.labels(request.qos_class, label, exc.outcome).inc()
+                raise
+            generation = Generation(self, request, replica, sampling)
+            try:
+                await generation.first_token()
+                return generation
+            except EngineUnavailable as exc:
+                log.warning("%s; trying another replica", exc)
+                skipped.add(replica.name)
+
+    def _check(self, request: Request, model: str) -> None:
+        if model != AUTO and model not in self.deployment.models:
+            known = ", ".join([AUTO, *self.deployment.models])
+            raise ModelNotFound(f"The model {model!r} does not exist here (known: {known}).", "model")
+        if request.task is not None and request.task not in self.deployment.quality:
+            known = ", ".join(self.deployment.tasks)
+            raise BadRequest(f"Unknown task {request.task!r} (known: {known}).", "task")
+
+    def _route(self, request: Request, model: str, rate: float, skipped: set[str]) -> Replica:
+        view = self.replicas.view(None if model == AUTO else model, exclude=skipped)
+        if not any(r.available for r in view.replicas):
+            which = "the router's models" if model == AUTO else f"model {model!r}"
+            raise NoReplicaAvailable(f"No healthy replica can serve {which} right now.")
+        if model != AUTO:
+            index = view.least_loaded(model)
+        else:
+            obs = self.encoder.encode(view, request, rate)
+            index = self.policy.choose(obs, request, view)
+            if not view.replicas[index].available:
+                chosen = view.replicas[index].model
+                index = view.least_loaded(chosen)
+                if index is None:
+                    index = view.least_loaded()
+        assert index is not None
+        return self.replicas[index]
+
+
+_END = object()
+"""Queued after an engine's last delta."""
+
+
+class Generation:
+    """One request dispatched to one replica: its token stream, and its accounting when it ends.
+
+    Iterate it for the deltas (the first one included); close it, however the iteration ended,
+    to free the replica. Closing early aborts the request in the engine.
+
+    The engine's stream is pumped by a task of its own. vLLM aborts a request from inside its
+    generator when that is cancelled, with awaits in the handler; cancelled from a server's
+    cancel scope (AnyIO cancels level-triggered), those awaits could be cancelled too and leave
+    the request running in the engine. A plain task, cancelled once, lets the abort finish.
+    """
+
+    def __init__(self, gateway: Gateway, request: Request, replica: Replica, sampling: Sampling):
+        self.gateway = gateway
+        self.request = request
+        self.replica = replica
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._queue: asyncio.Queue[TokenDelta | BaseException | object] = asyncio.Queue()
+        self._first: TokenDelta | None = None
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._outcome: str | None = None
+        replica.running += 1
+        self._released = False
+        self._pump = asyncio.create_task(self._run(replica.engine.generate(request, sampling)))
+
+    @property
+    def model(self) -> str:
+        return self.replica.model
+
+    async def _run(self, deltas: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for delta in deltas:
+                # vLLM may send deltas that carry nothing (a role-only chunk); they are not tokens.
+                if delta.tokens or delta.text or delta.finish_reason:
+                    self._queue.put_nowait(delta)
+            self._queue.put_nowait(_END)
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+
+    async def first_token(self) -> None:
+        """Wait for the first token under the class's deadline. Raises a counted GatewayError,
+        or EngineUnavailable (uncounted) when the replica was down and another may be tried."""
+        qos = self.gateway.deployment.qos_classes[self.request.qos_class]
+        remaining = self.request.arrival + qos.deadline_s - self.gateway.clock()
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                self._first = await self._next()
+        except TimeoutError:
+            await self._fail(DeadlineExceeded(
+                f"No token within the {self.request.qos_class} class's deadline of "
+                f"{qos.deadline_s:g} s; the request was aborted."
+            ))
+        except InvalidRequest as exc:
+            await self._fail(BadRequest(exc.message, exc.param, exc.code))
+        except EngineUnavailable:
+            self._outcome = "retried"
+            await self.aclose()
+            raise
+        except (EngineError, StopAsyncIteration) as exc:
+            await self._fail(EngineFailed(f"{self.replica.name}: {exc or 'no output'}"))
+
+    async def _next(self) -> TokenDelta:
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, TokenDelta)
+        now = self.gateway.clock()
+        if self._first_at is None:
+            self._first_at = now
+        self._last_at = now
+        self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
+        self.completion_tokens += item.tokens
+        self.finish_reason = item.finish_reason or self.finish_reason
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        first, self._first = self._first, None
+        if first is None:
+            return
+        yield first
+        try:
+            while self.finish_reason is None:
+                yield await self._next()
+        except StopAsyncIteration:
+            # An engine that ends without a finish reason did not finish the request.
+            await self._fail(EngineFailed(f"{self.replica.name}: the stream ended early"))
+        except EngineError as exc:
+            await self._fail(EngineFailed(str(exc)))
+        self._finish(outcomes.OK)
+
+    async def _fail(self, error: GatewayError) -> None:
+        self._finish(error.outcome)
+        await self.aclose()
+        raise error
+
+    def _finish(self, outcome: str) -> None:
+        """Record how the request ended, once."""
+        if self._outcome is not None:
+            return
+        self._outcome = outcome
+        m, cls, model = self.gateway.metrics, self.request.qos_class, self.model
+        m.requests.labels(cls, model, outcome).inc()
+        if outcome != outcomes.OK or self._first_at is None or self._last_at is None:
+            return
+        arrival = self.request.arrival
+        m.ttft.labels(cls, model).observe(self._first_at - arrival)
+        m.e2e.labels(cls, model).observe(self._last_at - arrival)
+        m.tokens.labels(model).inc(self.completion_tokens)
+        if self.completion_tokens > 1:
+            tpot = (self._last_at - self._first_at) / (self.completion_tokens - 1)
+            m.tpot.labels(cls, model).observe(tpot)
+        slo = self.gateway.deployment.slo.tpot_s
+        if self.completion_tokens and (self._last_at - arrival) / self.completion_tokens <= slo:
+            m.slo_met.labels(cls, model).inc()
+
+    async def aclose(self) -> None:
+        """Free the replica and, if the engine still works on the request, abort it there.
+        A request closed before it finished counts as cancelled by the client."""
+        self._finish(outcomes.CANCELLED)
+        if self._released:
+            return
+        self._released = True
+        self.replica.running -= 1
+        if not self._pump.done():
+            self._pump.cancel()
+            # The abort completes in the pump task even if this wait is itself cancelled.
+            await asyncio.wait([self._pump])

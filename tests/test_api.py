@@ -1,0 +1,209 @@
+"""The OpenAI-compatible API on the real embedded deployment (three vLLM CPU engines)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import PREMIUM_KEY, Server, wait_until
+
+HELLO = [{"role": "user", "content": "Hello there!"}]
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    """The data payloads of an SSE response: dicts, and the final "[DONE]"."""
+    events: list[dict | str] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_chat_completion_streams_token_by_token(server: Server) -> None:
+    body = {"messages": HELLO, "max_tokens": 12, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict) and e["choices"]]
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+    # Tokens come one event at a time, not as one blob at the end.
+    assert len(chunks) >= 6
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # Every response says which model and replica served it, in headers and body alike.
+    assert {c["model"] for c in chunks} == {r.headers["x-model"]}
+    assert {c["replica"] for c in chunks} == {r.headers["x-replica"]}
+    assert r.headers["x-replica"].endswith("/" + r.headers["x-model"])
+
+
+def test_official_openai_client_streams(server: Server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked")
+    stream = client.chat.completions.create(
+        model="auto", messages=HELLO, max_tokens=10, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    pieces, usage, models = [], None, set()
+    for chunk in stream:
+        models.add(chunk.model)
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == 10
+    assert len(pieces) >= 5
+    assert models <= {"tiny-s", "tiny-m", "tiny-l"} and len(models) == 1
+
+
+def test_openai_client_non_streaming_and_completions(server: Server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked")
+    chat = client.chat.completions.create(model="tiny-m", messages=HELLO, max_tokens=6,
+                                          extra_body={"ignore_eos": True})
+    assert chat.model == "tiny-m"
+    assert chat.usage.completion_tokens == 6
+    assert chat.choices[0].finish_reason == "length"
+    assert isinstance(chat.choices[0].message.content, str)
+    text = client.completions.create(model="tiny-s", prompt="The moon", max_tokens=4,
+                                     extra_body={"ignore_eos": True})
+    assert text.model == "tiny-s"
+    assert text.usage.completion_tokens == 4
+    assert text.usage.prompt_tokens > 0
+
+
+def test_models_health_and_metrics(server: Server) -> None:
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["auto", "tiny-s", "tiny-m", "tiny-l"]
+    health = httpx.get(server.url + "/healthz").json()
+    assert health == {"status": "ok", "replicas": {"cpu/tiny-s": True, "cpu/tiny-m": True,
+                                                   "cpu/tiny-l": True}}
+    before = server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
+                           outcome="ok")
+    httpx.post(server.url + "/v1/completions", timeout=60,
+               json={"model": "tiny-s", "prompt": "Hi", "max_tokens": 3})
+    assert server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
+                         outcome="ok") == before + 1
+    text = httpx.get(server.url + "/metrics").text
+    for family in ("serving_ttft_seconds_bucket", "serving_tpot_seconds_bucket",
+                   "serving_replica_in_flight", "serving_engine_unfinished"):
+        assert family in text
+
+
+def _in_flight_is_zero(server: Server) -> bool:
+    return all(
+        server.metric(name, replica=f"cpu/{m}", model=m) == 0
+        for name in ("serving_replica_in_flight", "serving_engine_unfinished")
+        for m in ("tiny-s", "tiny-m", "tiny-l")
+    )
+
+
+def test_client_disconnect_mid_stream_frees_the_engine_slot(server: Server) -> None:
+    # Long enough (about 2,000 tokens on the biggest model) that only an abort ends it soon.
+    body = {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        received = sum(1 for _, line in zip(range(6), lines) if line.startswith("data: "))
+        assert received >= 2
+        assert server.metric("serving_replica_in_flight", replica="cpu/tiny-l", model="tiny-l") == 1
+        assert server.metric("serving_engine_unfinished", replica="cpu/tiny-l", model="tiny-l") == 1
+    # Leaving the block closed the connection.
+    wait_until(lambda: _in_flight_is_zero(server), 10, "the running counts to return to 0")
+
+
+def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server: Server) -> None:
+    body = json.dumps({"model": "tiny-l", "messages": HELLO, "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    # A client that gives up: it sends the request, then hangs up before the answer.
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body)
+        wait_until(lambda: server.metric("serving_engine_unfinished", replica="cpu/tiny-l",
+                                         model="tiny-l") == 1, 10, "the request to reach the engine")
+    wait_until(lambda: _in_flight_is_zero(server), 10, "the running counts to return to 0")
+
+
+def test_deadline_passes_before_the_first_token(server: Server) -> None:
+    labels = {"qos_class": "impatient", "model": "tiny-l", "outcome": "deadline"}
+    before = server.metric("serving_requests_total", **labels)
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-qos-class": "impatient"},
+                   json={"model": "tiny-l", "messages": HELLO, "max_tokens": 50}, timeout=30)
+    assert r.status_code == 504
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert "deadline" in r.json()["error"]["message"]
+    assert server.metric("serving_requests_total", **labels) == before + 1
+    wait_until(lambda: _in_flight_is_zero(server), 10, "the aborted request to leave the engine")
+
+
+def test_premium_key_grants_the_real_time_class(server: Server) -> None:
+    body = {"messages": HELLO, "max_tokens": 2}
+    url = server.url + "/v1/chat/completions"
+    anonymous = httpx.post(url, json=body, headers={"x-qos-class": "real-time"}, timeout=30)
+    assert anonymous.status_code == 403
+    assert anonymous.json()["error"]["code"] == "qos_class_not_granted"
+    urgent = httpx.post(url, json=body, headers={"priority": "u=0"}, timeout=30)
+    assert urgent.headers["x-qos-class"] == "free-tier"  # the nearest class it may have
+    premium = httpx.post(url, json=body, timeout=30,
+                         headers={"authorization": f"Bearer {PREMIUM_KEY}"})
+    assert premium.status_code == 200
+    assert premium.headers["x-qos-class"] == "real-time"
+
+
+LONG_PROMPT = "word " * 3000
+
+BAD_INPUTS = {
+    "malformed JSON": ("/v1/chat/completions", b'{"messages": [', 400, "invalid_json"),
+    "not an object": ("/v1/chat/completions", [], 400, "invalid_value"),
+    "messages missing": ("/v1/chat/completions", {"max_tokens": 3}, 400, "invalid_value"),
+    "empty messages": ("/v1/chat/completions", {"messages": []}, 400, "invalid_value"),
+    "wrong type": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": "ten"}, 400,
+                   "invalid_value"),
+    "wrong role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+                   400, "invalid_value"),
+    "max_tokens zero": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, 400,
+                        "invalid_value"),
+    "max_tokens negative": ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400,
+                            "invalid_value"),
+    "max_tokens absurd": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 10**12}, 400,
+                          "invalid_value"),
+    "max_tokens past the context": ("/v1/chat/completions", {"messages": HELLO,
+                                    "max_tokens": 4000}, 400, "context_length_exceeded"),
+    "prompt past the context": ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4},
+                                400, "context_length_exceeded"),
+    "unknown model": ("/v1/chat/completions", {"model": "gpt-9", "messages": HELLO}, 404,
+                      "model_not_found"),
+    "n above 1": ("/v1/chat/completions", {"messages": HELLO, "n": 2}, 400, "invalid_value"),
+    "unknown task": ("/v1/chat/completions", {"messages": HELLO, "task": "chess"}, 400,
+                     "invalid_request_error"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_gets_a_clear_4xx(server: Server, case: str) -> None:
+    path, body, status, code = BAD_INPUTS[case]
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body,
+                       headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code
+    assert error["message"] and "Traceback" not in error["message"]
+
+
+def test_bad_input_counts_in_metrics_without_client_chosen_labels(server: Server) -> None:
+    httpx.post(server.url + "/v1/chat/completions", json={"model": "made-up", "messages": HELLO})
+    text = httpx.get(server.url + "/metrics").text
+    assert "made-up" not in text
+    assert server.metric("serving_requests_total", qos_class="free-tier", model="none",
+                         outcome="invalid") >= 1

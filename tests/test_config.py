@@ -1,0 +1,119 @@
+"""models.yaml: the shipped file loads, and a wrong file is refused with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from config import ConfigError, load, load_deployment, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shipped() -> dict:
+    return yaml.safe_load((ROOT / "models.yaml").read_text())
+
+
+def test_every_shipped_deployment_resolves() -> None:
+    spec = load(ROOT / "models.yaml")
+    sizes = {name: len(resolve(spec, name, ROOT).replicas) for name in spec.deployments}
+    assert sizes == {"embedded": 3, "opt-cpu": 3, "paper-4gpu": 12, "remote": 3}
+
+
+def test_paper_deployment_puts_one_of_each_model_on_each_gpu() -> None:
+    dep = load_deployment(ROOT / "models.yaml", "paper-4gpu")
+    for gpu in range(4):
+        on_gpu = sorted(r.model for r in dep.replicas if r.device == f"cuda:{gpu}")
+        assert on_gpu == ["opt-1.3b", "opt-125m", "opt-6.7b"]
+    assert dep.profile is not None and dep.profile.source == "derived"
+
+
+def test_quality_is_seed_table_1_normalised_to_the_deployments_best_model() -> None:
+    paper = load_deployment(ROOT / "models.yaml", "paper-4gpu").quality
+    assert paper["hellaswag"] == {"opt-125m": 0.45, "opt-1.3b": 0.78, "opt-6.7b": 1.0}
+    # The tiny models take the rows of the OPT sizes they stand in for.
+    embedded = load_deployment(ROOT / "models.yaml", "embedded").quality
+    assert embedded["copa"] == {"tiny-s": 0.80, "tiny-m": 0.95, "tiny-l": 1.0}
+    # Without OPT-6.7B, OPT-1.3B is the best model and scores 1.
+    cpu = load_deployment(ROOT / "models.yaml", "opt-cpu").quality
+    assert cpu["hellaswag"]["opt-1.3b"] == 1.0
+    assert cpu["hellaswag"]["opt-125m"] == pytest.approx(0.45 / 0.78)
+
+
+def test_slo_is_40_ms_per_output_token() -> None:
+    assert load(ROOT / "models.yaml").slo.tpot_s == 0.040
+
+
+def write(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def broken(change) -> dict:
+    spec = shipped()
+    change(spec)
+    return spec
+
+
+BROKEN = {
+    "typo in a key": (lambda s: s["slo"].update(tpot_ms=40), "slo.tpot_ms"),
+    "negative SLO": (lambda s: s["slo"].update(tpot_s=-1), "slo.tpot_s"),
+    "missing section": (lambda s: s.pop("qos_classes"), "qos_classes"),
+    "head_dim the CPU kernel lacks": (
+        lambda s: s["models"]["tiny-s"]["build"].update(hidden_size=96, num_heads=6),
+        "models.tiny-s.build"),
+    "unknown placement": (lambda s: s["deployments"]["embedded"].update(placement="nowhere"),
+                          "deployments.embedded.placement"),
+    "unknown model in a placement": (
+        lambda s: s["placements"]["embedded-cpu"][0].update(model="gpt-9"),
+        "placements.embedded-cpu[0].model"),
+    "no location": (lambda s: s["placements"]["embedded-cpu"][0].pop("device"),
+                    "placements.embedded-cpu.0"),
+    "bad device": (lambda s: s["placements"]["embedded-cpu"][0].update(device="tpu"),
+                   "placements.embedded-cpu.0"),
+    "GPU over-committed": (
+        lambda s: s["placements"]["paper-4gpu"][2].update(memory_fraction=0.9),
+        "memory fractions on cuda:0"),
+    "tier granting an unknown class": (
+        lambda s: s["tiers"]["premium"]["classes"].append("platinum"), "tiers.premium.classes"),
+    "tier default not granted": (
+        lambda s: s["tiers"]["anonymous"].update(default="real-time"), "tiers.anonymous"),
+    "quality row for an unknown model": (
+        lambda s: s["quality"]["tasks"]["copa"].update({"gpt-9": 1.0}), "quality.tasks.copa"),
+    "urgency out of range": (lambda s: s["qos_classes"]["long"].update(urgency=9),
+                             "qos_classes.long.urgency"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+def test_a_wrong_file_is_refused_naming_the_field(tmp_path: Path, case: str) -> None:
+    change, field = BROKEN[case]
+    with pytest.raises(ConfigError) as err:
+        load(write(tmp_path, broken(change)))
+    assert field in str(err.value)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_a_model_missing_from_the_quality_table_is_named(tmp_path: Path) -> None:
+    spec = broken(lambda s: s["quality"]["tasks"]["piqa"].pop("opt-6.7b"))
+    with pytest.raises(ConfigError, match=r"quality.tasks.piqa: no value for 'tiny-l' or 'opt-6.7b'"):
+        resolve(load(write(tmp_path, spec)), "embedded", ROOT)
+
+
+def test_not_yaml_and_unknown_deployment(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text("slo: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(path)
+    with pytest.raises(ConfigError, match="unknown deployment 'nope'"):
+        load_deployment(ROOT / "models.yaml", "nope")
+
+
+def test_api_keys_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QOS_PREMIUM_KEY", raising=False)
+    assert load_deployment(ROOT / "models.yaml").api_keys == {}
+    monkeypatch.setenv("QOS_PREMIUM_KEY", "s3cret")
+    assert load_deployment(ROOT / "models.yaml").api_keys == {"s3cret": "premium"}

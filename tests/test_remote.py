@@ -1,0 +1,82 @@
+"""The remote engine against a real `vllm serve`, and what clients see when an engine fails.
+
+The last test kills the upstream server, so it stays last in this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import openai
+
+from tests.conftest import Server, wait_until
+
+HELLO = [{"role": "user", "content": "Hello there!"}]
+
+
+def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: Server) -> None:
+    client = openai.OpenAI(base_url=remote_server.url + "/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="auto", messages=HELLO, max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert {c.model for c in chunks} == {"tiny-s"}
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 4
+    assert chunks[-1].usage.completion_tokens == 8
+    assert json.loads(chunks[0].model_dump_json())["replica"] == f"127.0.0.1:{upstream.port}/tiny-s"
+
+
+def test_remote_rejection_keeps_its_status_and_message(remote_server: Server) -> None:
+    r = httpx.post(remote_server.url + "/v1/chat/completions", timeout=30,
+                   json={"messages": HELLO, "max_tokens": 5000})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "max_model_len=2048" in error["message"]  # vLLM's own words
+    assert error["param"] == "max_tokens"
+
+
+def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
+    remote_server: Server, upstream: Server
+) -> None:
+    body = {"messages": HELLO, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", remote_server.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 3:
+                os.killpg(upstream.process.pid, signal.SIGKILL)  # the engine dies mid-stream
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == "engine_error"
+    assert error["type"] == "server_error"
+    assert remote_server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
+                                outcome="engine_error") == 1
+
+    # With its only engine down, the server says so instead of hanging.
+    r = httpx.post(remote_server.url + "/v1/chat/completions", json={"messages": HELLO}, timeout=30)
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "service_unavailable"
+    assert httpx.get(remote_server.url + "/healthz").status_code == 503
+    wait_until(lambda: remote_server.metric("serving_replica_in_flight",
+                                            replica=f"127.0.0.1:{upstream.port}/tiny-s",
+                                            model="tiny-s") == 0, 10, "the replica to be released")
+
+
+def test_openai_client_sees_the_outage_as_an_exception(remote_server: Server) -> None:
+    # The upstream is gone now: the client gets a clean 503 as an exception, not a hang.
+    client = openai.OpenAI(base_url=remote_server.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        client.chat.completions.create(model="auto", messages=HELLO, stream=True)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503
+    else:
+        raise AssertionError("expected a 503")
