@@ -8,10 +8,13 @@ PORT ?= 8000
 
 .PHONY: setup serve test bench clean
 
-setup: .setup-stamp
+# The stamp lives in the venv, so removing the venv also forgets that setup ran.
+STAMP := $(VENV)/.setup-stamp
 
-.setup-stamp: pyproject.toml scripts/setup.sh
-	scripts/setup.sh
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	VENV=$(VENV) scripts/setup.sh
 	touch $@
 
 serve: setup
@@ -24,4 +27,4 @@ bench: setup
 	$(PY) benchmarks/api_overhead.py
 
 clean:
-	rm -rf $(VENV) .setup-stamp .models
+	rm -rf $(VENV) .models

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from serving import metrics as outcomes
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
+from serving.metrics import Metrics
 from serving.protocol import ChatCompletionRequest, CompletionRequest, _Generate
 from transport.qos import QosClassifier, QosRejected
 from workloads import Request as LlmRequest
@@ -64,7 +66,7 @@ def create_app(gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan |
     async def metrics() -> Response:
         return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    _install_error_handlers(app)
+    _install_error_handlers(app, gateway.metrics)
     return app
 
 
@@ -86,7 +88,11 @@ async def _serve(
         qos_class=qos.qos_class,
         task=body.task,
     )
-    generation = await gateway.start(request, body.sampling(), body.model)
+    # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
+    generation = await _unless_disconnected(
+        raw.receive, gateway.start(request, body.sampling(), body.model),
+        abandon=lambda g: g.aclose(),
+    )
     headers = {
         "x-request-id": request.request_id,
         "x-model": generation.model,
@@ -152,6 +158,10 @@ class _Shape:
         except GatewayError as exc:
             # Headers are gone; the error travels as an event the OpenAI client raises on.
             yield _event(_error_body(exc.status, exc.message, exc.code, exc.param))
+        except Exception:
+            log.exception("unexpected error while streaming %s", self.generation.request.request_id)
+            yield _event(_error_body(500, "Internal server error; see the server log.",
+                                     "internal_error"))
         yield "data: [DONE]\n\n"
 
 
@@ -210,7 +220,15 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> None:
+T = TypeVar("T")
+
+
+async def _unless_disconnected(
+    receive: Receive, work: Awaitable[T], abandon: Callable[[T], Awaitable[object]] | None = None
+) -> T:
+    """The result of `work`, unless the client disconnects first: then `work` is cancelled (or,
+    if it had just finished, its result handed to `abandon`) and ClientGone raised."""
+
     async def disconnected() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
@@ -223,11 +241,11 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[None]) -> None:
         for task in (work_task, watch_task):
             task.cancel()
         await asyncio.gather(work_task, watch_task, return_exceptions=True)
-    if not work_task.cancelled() and work_task.exception() is None:
-        return
-    if watch_task.done() and not watch_task.cancelled():
-        raise ClientGone()
-    work_task.result()  # re-raise the work's own error
+    if watch_task.cancelled():
+        return work_task.result()  # the work finished first, or raised: either way, its outcome
+    if abandon is not None and not work_task.cancelled() and work_task.exception() is None:
+        await abandon(work_task.result())
+    raise ClientGone()
 
 
 def _error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
@@ -239,18 +257,21 @@ def _error(status: int, message: str, code: str | None, param: str | None = None
     return JSONResponse(_error_body(status, message, code, param), status_code=status)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    # GatewayErrors are counted where they happen; these are refused before the gateway sees them.
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(QosRejected)
     async def qos_rejected(_: Request, exc: QosRejected) -> JSONResponse:
+        metrics.rejected(outcomes.INVALID if exc.status == 400 else outcomes.REFUSED)
         codes = {401: "invalid_api_key", 403: "qos_class_not_granted"}
         return _error(exc.status, exc.message, codes.get(exc.status, "invalid_qos_class"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected(outcomes.INVALID)
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":

@@ -11,12 +11,15 @@ from config import Deployment
 from router.policies import make_policy
 from serving.api import create_app
 from serving.gateway import Gateway
-from serving.metrics import Metrics
+from serving.metrics import INVALID, Metrics
 from serving.replicas import ReplicaSet
+from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from transport.qos import QosClassifier
 
 
-def build_app(deployment: Deployment, policy: str | None = None) -> FastAPI:
+def build_app(
+    deployment: Deployment, policy: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it."""
     replicas = ReplicaSet.from_deployment(deployment)
     gateway = Gateway(deployment, replicas, make_policy(deployment, policy), Metrics(replicas))
@@ -33,5 +36,7 @@ def build_app(deployment: Deployment, policy: str | None = None) -> FastAPI:
             await replicas.close()
 
     app = create_app(gateway, classifier, lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       on_refuse=lambda: gateway.metrics.rejected(INVALID))
     app.state.gateway = gateway
     return app

@@ -95,6 +95,8 @@ class Gateway:
         while True:
             try:
                 self._check(request, model)
+                if self._deadline(request) <= self.clock():
+                    raise DeadlineExceeded(self._late(request))
                 replica = self._route(request, model, rate, skipped)
             except GatewayError as exc:
                 # Never a client-chosen label value: an unknown name would grow the metric forever.
@@ -106,8 +108,17 @@ class Gateway:
                 await generation.first_token()
                 return generation
             except EngineUnavailable as exc:
+                # Nothing started there, so nothing is lost by trying the next choice.
                 log.warning("%s; trying another replica", exc)
                 skipped.add(replica.name)
+
+    def _deadline(self, request: Request) -> float:
+        return request.arrival + self.deployment.qos_classes[request.qos_class].deadline_s
+
+    def _late(self, request: Request) -> str:
+        deadline = self.deployment.qos_classes[request.qos_class].deadline_s
+        return (f"No token within the {request.qos_class} class's deadline of {deadline:g} s; "
+                "the request was aborted.")
 
     def _check(self, request: Request, model: str) -> None:
         if model != AUTO and model not in self.deployment.models:
@@ -138,6 +149,9 @@ class Gateway:
 
 _END = object()
 """Queued after an engine's last delta."""
+
+_DRAIN_S = 0.5
+"""How long a finished generation waits for its engine stream to end by itself."""
 
 
 class Generation:
@@ -183,26 +197,33 @@ class Generation:
             self._queue.put_nowait(exc)
 
     async def first_token(self) -> None:
-        """Wait for the first token under the class's deadline. Raises a counted GatewayError,
-        or EngineUnavailable (uncounted) when the replica was down and another may be tried."""
-        qos = self.gateway.deployment.qos_classes[self.request.qos_class]
-        remaining = self.request.arrival + qos.deadline_s - self.gateway.clock()
+        """Wait for the first token under the class's deadline.
+
+        However the wait ends other than with a token, the generation is closed and counted,
+        and a GatewayError raised; except EngineUnavailable (the replica could not take the
+        request, so the gateway may try another), and cancellation, which counts as the client
+        leaving.
+        """
+        gateway = self.gateway
         try:
-            async with asyncio.timeout(max(remaining, 0.0)):
+            async with asyncio.timeout(max(gateway._deadline(self.request) - gateway.clock(), 0)):
                 self._first = await self._next()
         except TimeoutError:
-            await self._fail(DeadlineExceeded(
-                f"No token within the {self.request.qos_class} class's deadline of "
-                f"{qos.deadline_s:g} s; the request was aborted."
-            ))
+            await self._fail(DeadlineExceeded(gateway._late(self.request)))
         except InvalidRequest as exc:
             await self._fail(BadRequest(exc.message, exc.param, exc.code))
         except EngineUnavailable:
-            self._outcome = "retried"
+            self._outcome = "retried"  # not an outcome: the request goes on elsewhere
             await self.aclose()
             raise
         except (EngineError, StopAsyncIteration) as exc:
             await self._fail(EngineFailed(f"{self.replica.name}: {exc or 'no output'}"))
+        except Exception as exc:
+            log.exception("%s: unexpected error before the first token", self.replica.name)
+            await self._fail(EngineFailed(f"{self.replica.name}: {type(exc).__name__}"))
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def _next(self) -> TokenDelta:
         item = await self._queue.get()
@@ -233,6 +254,11 @@ class Generation:
             await self._fail(EngineFailed(f"{self.replica.name}: the stream ended early"))
         except EngineError as exc:
             await self._fail(EngineFailed(str(exc)))
+        except InvalidRequest as exc:
+            await self._fail(EngineFailed(f"{self.replica.name}: {exc.message}"))
+        except Exception as exc:
+            log.exception("%s: unexpected error mid-stream", self.replica.name)
+            await self._fail(EngineFailed(f"{self.replica.name}: {type(exc).__name__}"))
         self._finish(outcomes.OK)
 
     async def _fail(self, error: GatewayError) -> None:
@@ -268,6 +294,10 @@ class Generation:
             return
         self._released = True
         self.replica.running -= 1
+        if self._outcome == outcomes.OK and not self._pump.done():
+            # Finished: let the engine end its stream by itself (a remote one sends its usage and
+            # [DONE] next), so its connection can be reused rather than cut.
+            await asyncio.wait([self._pump], timeout=_DRAIN_S)
         if not self._pump.done():
             self._pump.cancel()
             # The abort completes in the pump task even if this wait is itself cancelled.

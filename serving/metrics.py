@@ -19,6 +19,7 @@ from serving.replicas import ReplicaSet
 # Outcomes of a request. Every request the API accepts ends in exactly one of them.
 OK = "ok"
 INVALID = "invalid"  # 4xx: the request itself was wrong
+REFUSED = "refused"  # 401/403: no key, or a class the key does not grant
 UNAVAILABLE = "unavailable"  # 503: no healthy replica could take it
 DEADLINE = "deadline"  # no first token within the class's deadline
 ENGINE_ERROR = "engine_error"  # the engine failed after accepting it
@@ -59,6 +60,10 @@ class Metrics:
             ["model"], registry=self.registry,
         )
         self.registry.register(_ReplicaCollector(replicas))
+
+    def rejected(self, outcome: str) -> None:
+        """Count a request refused before it had a class or a model."""
+        self.requests.labels("none", "none", outcome).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -201,9 +201,38 @@ def test_bad_input_gets_a_clear_4xx(server: Server, case: str) -> None:
     assert error["message"] and "Traceback" not in error["message"]
 
 
-def test_bad_input_counts_in_metrics_without_client_chosen_labels(server: Server) -> None:
-    httpx.post(server.url + "/v1/chat/completions", json={"model": "made-up", "messages": HELLO})
-    text = httpx.get(server.url + "/metrics").text
-    assert "made-up" not in text
-    assert server.metric("serving_requests_total", qos_class="free-tier", model="none",
-                         outcome="invalid") >= 1
+def test_refused_requests_are_counted_without_client_chosen_labels(server: Server) -> None:
+    def count(qos_class: str, outcome: str) -> float:
+        return server.metric("serving_requests_total", qos_class=qos_class, model="none",
+                             outcome=outcome)
+
+    url = server.url + "/v1/chat/completions"
+    before = {k: count(*k) for k in [("free-tier", "invalid"), ("none", "invalid"),
+                                      ("none", "refused")]}
+    httpx.post(url, json={"model": "made-up", "messages": HELLO})  # 404, after classification
+    httpx.post(url, json={"messages": []})  # 400, before classification
+    httpx.post(url, json={"messages": HELLO}, headers={"x-qos-class": "real-time"})  # 403
+    assert count("free-tier", "invalid") == before[("free-tier", "invalid")] + 1
+    assert count("none", "invalid") == before[("none", "invalid")] + 1
+    assert count("none", "refused") == before[("none", "refused")] + 1
+    assert "made-up" not in httpx.get(server.url + "/metrics").text
+
+
+def test_oversized_body_is_refused_with_413(server: Server) -> None:
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
+    url = server.url + "/v1/chat/completions"
+    declared = httpx.post(url, content=huge, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert declared.status_code == 413
+    assert declared.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # chunked transfer: the size is never declared up front
+        for i in range(0, len(huge), 2**16):
+            yield huge[i:i + 2**16]
+
+    chunked = httpx.post(url, content=chunks(), headers={"content-type": "application/json"},
+                         timeout=30)
+    assert chunked.status_code == 413
+    # And the server keeps serving.
+    ok = httpx.post(url, json={"messages": HELLO, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200

@@ -11,7 +11,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 import openai
 
 from config import ReplicaConfig
@@ -39,12 +38,13 @@ class RemoteEngine:
             base_url=config.url,
             api_key="unused",  # vllm serve ignores it unless started with --api-key
             max_retries=0,  # the gateway decides where a failed request goes, not the client
-            timeout=httpx.Timeout(read_timeout_s, connect=5.0),
+            timeout=openai.Timeout(read_timeout_s, connect=5.0),
         )
         self._healthy = False
         self._open: set[str] = set()
         self._streams: dict[str, openai.AsyncStream] = {}
         self._probe: asyncio.Task | None = None
+        self._closed = False
 
     async def start(self) -> None:
         if await self._reachable():
@@ -68,6 +68,8 @@ class RemoteEngine:
 
     def _mark_down(self) -> None:
         self._healthy = False
+        if self._closed:
+            return
         if self._probe is None or self._probe.done():
             self._probe = asyncio.create_task(self._probe_until_up())
 
@@ -90,7 +92,7 @@ class RemoteEngine:
             raise EngineUnavailable(f"{self.config.name}: {self.config.url} is unreachable")
         self._open.add(request.request_id)
         try:
-            stream = await self._create(request, sampling)
+            stream = await self._start(request, sampling)
             self._streams[request.request_id] = stream
             generated = 0
             async for chunk in stream:
@@ -108,11 +110,12 @@ class RemoteEngine:
                     finish_reason=choice.finish_reason,
                 )
                 generated = total
-        except openai.BadRequestError as exc:
-            raise InvalidRequest(_message(exc), _error_field(exc, "param")) from exc
-        except (openai.APIConnectionError, httpx.TransportError) as exc:
+        except openai.APITimeoutError as exc:
+            # One slow stream is this request's failure, not proof that the server is gone.
+            raise EngineError(f"{self.config.name}: no output from {self.config.url} in time") from exc
+        except openai.APIConnectionError as exc:
             self._mark_down()
-            raise EngineUnavailable(f"{self.config.name}: lost {self.config.url}: {exc}") from exc
+            raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc}") from exc
         except openai.APIError as exc:
             raise EngineError(f"{self.config.name}: {_message(exc)}") from exc
         finally:
@@ -120,6 +123,22 @@ class RemoteEngine:
             stream = self._streams.pop(request.request_id, None)
             if stream is not None:
                 await stream.close()  # vllm serve aborts a request whose connection closes
+
+    async def _start(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
+        """Send the request. Failures here mean the server never took it, so another may."""
+        try:
+            return await self._create(request, sampling)
+        except openai.BadRequestError as exc:
+            raise InvalidRequest(_message(exc), _error_field(exc, "param")) from exc
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError as exc:
+            self._mark_down()
+            raise EngineUnavailable(f"{self.config.name}: cannot reach {self.config.url}") from exc
+        except openai.APIStatusError as exc:
+            if exc.status_code == 503:  # busy or draining: it did not take the request
+                raise EngineUnavailable(f"{self.config.name}: {_message(exc)}") from exc
+            raise
 
     async def _create(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
         common = dict(
@@ -152,6 +171,7 @@ class RemoteEngine:
         return len(self._open)
 
     async def close(self) -> None:
+        self._closed = True
         if self._probe is not None:
             self._probe.cancel()
         await self._client.close()
