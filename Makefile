@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEPLOYMENT ?= embedded
 PORT ?= 8000
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test lint bench clean
 
 # The stamp lives in the venv, so removing the venv also forgets that setup ran.
 STAMP := $(VENV)/.setup-stamp
@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml scripts/setup.sh
 serve: setup
 	$(PY) -m serving --deployment $(DEPLOYMENT) --port $(PORT)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(PY) benchmarks/api_overhead.py

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -50,20 +51,30 @@ async def closed_loop(stream: Stream, concurrency: int, per_worker: int, mean_to
         return [await stream(length(mean_tokens, w, k)) for k in range(per_worker)]
 
     start = time.perf_counter()
-    results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency)))
-               for r in rs]
+    results = [
+        r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs
+    ]
     wall = time.perf_counter() - start
     return {"ttft": [r[0] for r in results], "tokens": sum(r[1] for r in results), "wall": wall}
 
 
 def http_stream(port: int, model: str) -> Stream:
     async def stream(max_tokens: int) -> tuple[float, int]:
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}],
-                           "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                   f"Content-Type: application/json\r\nx-qos-class: {QOS_CLASS}\r\n"
-                   f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        request = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nx-qos-class: {QOS_CLASS}\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
         start = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request)
@@ -76,7 +87,11 @@ def http_stream(port: int, model: str) -> Stream:
         raw = b"".join(received)
         if not raw.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(raw[:300].decode(errors="replace"))
-        usage = [line for line in raw.split(b"\r\n") if line.startswith(b"data: {") and b'"usage"' in line]
+        usage = [
+            line
+            for line in raw.split(b"\r\n")
+            if line.startswith(b"data: {") and b'"usage"' in line
+        ]
         return ttft, json.loads(usage[-1][6:])["usage"]["completion_tokens"]
 
     return stream
@@ -114,11 +129,22 @@ async def run(args: argparse.Namespace) -> dict:
             serving.result()
         await asyncio.sleep(0.2)
 
+    if args.pin_frontend and len(os.sched_getaffinity(0)) > 1:
+        # vLLM's default binding gives the engine every core but the last, which it leaves to
+        # the front-end. Keep this thread (and the client processes it starts) there, as a GPU
+        # host keeps its HTTP server off the accelerator, so the scheduler's migrations do not
+        # add noise of their own. The engines started first and keep their own binding.
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     sampling = Sampling(ignore_eos=True)
 
     def request(max_tokens: int) -> Request:
-        return Request(f"bench-{uuid.uuid4().hex}", gateway.clock(),
-                       (Message("user", PROMPT),), max_tokens, QOS_CLASS)
+        return Request(
+            f"bench-{uuid.uuid4().hex}",
+            gateway.clock(),
+            (Message("user", PROMPT),),
+            max_tokens,
+            QOS_CLASS,
+        )
 
     def engine_path(max_tokens: int) -> AsyncIterator:
         return replica.engine.generate(request(max_tokens), sampling)
@@ -134,9 +160,19 @@ async def run(args: argparse.Namespace) -> dict:
     async def api_round() -> dict:
         # The client runs in a process of its own, as real clients do.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--client", str(port), "--model", args.model,
-            "--concurrency", str(args.concurrency), "--per-worker", str(args.per_worker),
-            "--max-tokens", str(args.max_tokens), stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            __file__,
+            "--client",
+            str(port),
+            "--model",
+            args.model,
+            "--concurrency",
+            str(args.concurrency),
+            "--per-worker",
+            str(args.per_worker),
+            "--max-tokens",
+            str(args.max_tokens),
+            stdout=asyncio.subprocess.PIPE,
         )
         out, _ = await proc.communicate()
         if proc.returncode:
@@ -165,13 +201,21 @@ async def run(args: argparse.Namespace) -> dict:
 def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     summary: dict = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "model": args.model, "concurrency": args.concurrency, "rounds": args.rounds,
-        "max_tokens": args.max_tokens, "per_worker": args.per_worker, "paths": {},
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "per_worker": args.per_worker,
+        "frontend_pinned": args.pin_frontend,
+        "paths": {},
     }
     for name, rounds in results.items():
         ttfts = [t for r in rounds for t in r["ttft"]]
         rates = [r["tokens"] / r["wall"] for r in rounds]
         summary["paths"][name] = {
+            "client_cpu_share": statistics.mean(
+                r.get("client_cpu_s", 0) / r["wall"] for r in rounds
+            ),
             "p50_ttft_ms": 1000 * statistics.median(ttfts),
             "tokens_per_s": statistics.mean(rates),
             "tokens_per_s_stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
@@ -181,10 +225,14 @@ def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         path["added_p50_ttft_ms"] = path["p50_ttft_ms"] - base["p50_ttft_ms"]
         path["tokens_per_s_ratio"] = path["tokens_per_s"] / base["tokens_per_s"]
         # Paired by round: each round of a path against the engine round run just before it.
-        added = [1000 * (statistics.median(r["ttft"]) - statistics.median(e["ttft"]))
-                 for r, e in zip(results[name], results["engine"])]
-        ratio = [(r["tokens"] / r["wall"]) / (e["tokens"] / e["wall"])
-                 for r, e in zip(results[name], results["engine"])]
+        added = [
+            1000 * (statistics.median(r["ttft"]) - statistics.median(e["ttft"]))
+            for r, e in zip(results[name], results["engine"], strict=True)
+        ]
+        ratio = [
+            (r["tokens"] / r["wall"]) / (e["tokens"] / e["wall"])
+            for r, e in zip(results[name], results["engine"], strict=True)
+        ]
         path["paired_added_ttft_ms"] = _median_iqr(added)
         path["paired_tokens_per_s_ratio"] = _median_iqr(ratio)
     return summary
@@ -196,22 +244,35 @@ def _median_iqr(values: list[float]) -> dict[str, float]:
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{summary['model']}, {summary['concurrency']} concurrent streams (closed loop), "
-          f"{summary['max_tokens']} tokens on average, {summary['rounds']} rounds of "
-          f"{summary['concurrency'] * summary['per_worker']} requests; {summary['machine']}")
-    print(f"{'path':8} {'p50 TTFT ms':>12} {'added ms':>9} {'tokens/s':>10} {'± sd':>7} "
-          f"{'vs engine':>10}   {'paired by round: added ms [IQR]':>34}   ratio [IQR]")
+    print(
+        f"\n{summary['model']}, {summary['concurrency']} concurrent streams (closed loop), "
+        f"{summary['max_tokens']} tokens on average, {summary['rounds']} rounds of "
+        f"{summary['concurrency'] * summary['per_worker']} requests; {summary['machine']}"
+    )
+    print(
+        f"{'path':8} {'p50 TTFT ms':>12} {'added ms':>9} {'tokens/s':>10} {'± sd':>7} "
+        f"{'vs engine':>10}   {'paired by round: added ms [IQR]':>34}   ratio [IQR]"
+    )
     for name, p in summary["paths"].items():
         a, r = p["paired_added_ttft_ms"], p["paired_tokens_per_s_ratio"]
-        print(f"{name:8} {p['p50_ttft_ms']:12.1f} {p['added_p50_ttft_ms']:9.2f} "
-              f"{p['tokens_per_s']:10.0f} {p['tokens_per_s_stdev']:7.0f} "
-              f"{p['tokens_per_s_ratio']:10.3f}   {a['median']:14.2f} [{a['q1']:6.2f}, {a['q3']:6.2f}]"
-              f"   {r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]")
+        print(
+            f"{name:8} {p['p50_ttft_ms']:12.1f} {p['added_p50_ttft_ms']:9.2f} "
+            f"{p['tokens_per_s']:10.0f} {p['tokens_per_s_stdev']:7.0f} "
+            f"{p['tokens_per_s_ratio']:10.3f}   {a['median']:14.2f} "
+            f"[{a['q1']:6.2f}, {a['q3']:6.2f}]"
+            f"   {r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]"
+        )
+    client = summary["paths"]["api"]["client_cpu_share"]
+    print(
+        f"the HTTP client process used {client:.0%} of a core during its rounds (on a "
+        f"{os.cpu_count()}-core machine it shares the front-end's core)"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(ROOT / "models.yaml"))
     parser.add_argument("--deployment", default="embedded")
     parser.add_argument("--model", default="tiny-m")
@@ -220,13 +281,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="mean output length")
     parser.add_argument("--per-worker", type=int, default=3, help="requests per stream a round")
     parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument(
+        "--no-pin-frontend",
+        dest="pin_frontend",
+        action="store_false",
+        help="let the OS place the front-end thread and the client",
+    )
     parser.add_argument("--out", default=str(ROOT / "results" / "api_overhead.json"))
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # internal: a client round
     args = parser.parse_args()
     if args.client:
         stream = http_stream(args.client, args.model)
-        print(json.dumps(asyncio.run(closed_loop(stream, args.concurrency, args.per_worker,
-                                                 args.max_tokens))))
+        result = asyncio.run(
+            closed_loop(stream, args.concurrency, args.per_worker, args.max_tokens)
+        )
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        result["client_cpu_s"] = usage.ru_utime + usage.ru_stime
+        print(json.dumps(result))
         return
     summary = asyncio.run(run(args))
     print_table(summary)

@@ -8,7 +8,15 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from config.schema import ModelsFile, PolicySpec, Profile, QosClass, Slo, Tier, TinyBuild
+from config.schema import (
+    ModelsFile,
+    PolicySpec,
+    Profile,
+    QosClass,
+    Slo,
+    Tier,
+    TinyBuild,
+)
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 

@@ -37,8 +37,8 @@ class TinyBuild(Strict):
         head_dim, rest = divmod(self.hidden_size, self.num_heads)
         if rest or head_dim not in (64, 128):
             raise ValueError(
-                f"hidden_size / num_heads must be 64 or 128 (the CPU attention kernel's head sizes), "
-                f"got {self.hidden_size} / {self.num_heads}"
+                "hidden_size / num_heads must be 64 or 128, the head sizes of vLLM's CPU "
+                f"attention kernel; got {self.hidden_size} / {self.num_heads}"
             )
         return self
 
@@ -193,7 +193,9 @@ class ModelsFile(Strict):
                         share[device] = share.get(device, 0.0) + entry.memory_fraction
             for device, total in share.items():
                 if total >= 1:
-                    errors.append(f"placements.{name}: memory fractions on {device} add up to {total:.2f}")
+                    errors.append(
+                        f"placements.{name}: memory fractions on {device} add up to {total:.2f}"
+                    )
         for name, profile in self.profiles.items():
             for model in profile.models:
                 need("model", model, self.models, f"profiles.{name}.models")

@@ -13,7 +13,7 @@ class ReplicaState:
     running: int
     """Requests dispatched here and not yet finished."""
     available: bool
-    """Healthy, and allowed for this request (a request that names a model allows only its replicas)."""
+    """Healthy, and allowed for this request (one that names a model allows only its replicas)."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ClusterView:
         ties go to the first listed. None if there is none."""
         best: int | None = None
         for i, r in enumerate(self.replicas):
-            if r.available and (model is None or r.model == model):
-                if best is None or r.running < self.replicas[best].running:
-                    best = i
+            wanted = r.available and (model is None or r.model == model)
+            if wanted and (best is None or r.running < self.replicas[best].running):
+                best = i
         return best

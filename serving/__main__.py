@@ -21,11 +21,17 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--policy", choices=sorted(POLICIES), help="override the deployment's")
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="refuse larger request bodies with a 413")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="refuse larger request bodies with a 413",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         deployment = load_deployment(args.config, args.deployment)
     except ConfigError as exc:
@@ -39,8 +45,9 @@ def main() -> int:
     from serving.app import build_app
 
     app = build_app(deployment, args.policy, args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ It knows the gateway's interface only: not the policy, the engines or the transp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan | None = None) -> FastAPI:
+def create_app(
+    gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan | None = None
+) -> FastAPI:
     app = FastAPI(title="QoS-aware LLM serving", lifespan=lifespan)
 
     @app.post("/v1/chat/completions")
@@ -48,19 +51,35 @@ def create_app(gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan |
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
-        cards = [{"id": AUTO, "object": "model", "created": created, "owned_by": "router",
-                  "replicas": [r.name for r in gateway.replicas]}]
+        cards = [
+            {
+                "id": AUTO,
+                "object": "model",
+                "created": created,
+                "owned_by": "router",
+                "replicas": [r.name for r in gateway.replicas],
+            }
+        ]
         for model in gateway.deployment.models:
-            cards.append({"id": model, "object": "model", "created": created, "owned_by": "serving",
-                          "replicas": [r.name for r in gateway.replicas if r.model == model]})
+            cards.append(
+                {
+                    "id": model,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "serving",
+                    "replicas": [r.name for r in gateway.replicas if r.model == model],
+                }
+            )
         return {"object": "list", "data": cards}
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
         ok = any(replicas.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "replicas": replicas},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "replicas": replicas},
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -90,7 +109,8 @@ async def _serve(
     )
     # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
     generation = await _unless_disconnected(
-        raw.receive, gateway.start(request, body.sampling(), body.model),
+        raw.receive,
+        gateway.start(request, body.sampling(), body.model),
         abandon=lambda g: g.aclose(),
     )
     headers = {
@@ -115,8 +135,14 @@ class _Shape:
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         g = self.generation
-        return {"id": g.request.request_id, "object": obj, "created": self.created,
-                "model": g.model, "replica": g.replica.name, "choices": choices}
+        return {
+            "id": g.request.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": g.model,
+            "replica": g.replica.name,
+            "choices": choices,
+        }
 
     def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
         if self.chat:
@@ -129,8 +155,12 @@ class _Shape:
     def whole(self, text: str) -> dict[str, Any]:
         g = self.generation
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": g.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": g.finish_reason,
+            }
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": g.finish_reason}
@@ -140,8 +170,11 @@ class _Shape:
 
     def usage(self) -> dict[str, int]:
         g = self.generation
-        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "total_tokens": g.prompt_tokens + g.completion_tokens}
+        return {
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": g.completion_tokens,
+            "total_tokens": g.prompt_tokens + g.completion_tokens,
+        }
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         first = True
@@ -160,8 +193,9 @@ class _Shape:
             yield _event(_error_body(exc.status, exc.message, exc.code, exc.param))
         except Exception:
             log.exception("unexpected error while streaming %s", self.generation.request.request_id)
-            yield _event(_error_body(500, "Internal server error; see the server log.",
-                                     "internal_error"))
+            yield _event(
+                _error_body(500, "Internal server error; see the server log.", "internal_error")
+            )
         yield "data: [DONE]\n\n"
 
 
@@ -186,10 +220,9 @@ class GenerationStream(StreamingResponse):
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    try:
+                    # A server may raise on a write to a gone client; the watcher sees it too.
+                    with contextlib.suppress(OSError):
                         await self.stream_response(send)
-                    except OSError:
-                        pass  # the client is gone; the watcher below sees it too
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)

@@ -36,7 +36,8 @@ def build_app(
             await replicas.close()
 
     app = create_app(gateway, classifier, lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
-                       on_refuse=lambda: gateway.metrics.rejected(INVALID))
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, on_refuse=lambda: gateway.metrics.rejected(INVALID)
+    )
     app.state.gateway = gateway
     return app

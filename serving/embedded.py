@@ -57,7 +57,14 @@ def _stamp(path: Path) -> str | None:
 def _build(out: Path, build: TinyBuild) -> None:
     # Imported here: transformers and torch take seconds to import and only the build needs them.
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import OPTConfig, PreTrainedTokenizerFast
     from transformers.models.opt.modeling_opt import OPTForCausalLM
 

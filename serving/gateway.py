@@ -16,7 +16,13 @@ from config import Deployment
 from router.features import ArrivalRateEstimator, FeatureEncoder
 from router.policies import Policy
 from serving import metrics as outcomes
-from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling, TokenDelta
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
 from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
 from workloads import Request
@@ -117,13 +123,17 @@ class Gateway:
 
     def _late(self, request: Request) -> str:
         deadline = self.deployment.qos_classes[request.qos_class].deadline_s
-        return (f"No token within the {request.qos_class} class's deadline of {deadline:g} s; "
-                "the request was aborted.")
+        return (
+            f"No token within the {request.qos_class} class's deadline of {deadline:g} s; "
+            "the request was aborted."
+        )
 
     def _check(self, request: Request, model: str) -> None:
         if model != AUTO and model not in self.deployment.models:
             known = ", ".join([AUTO, *self.deployment.models])
-            raise ModelNotFound(f"The model {model!r} does not exist here (known: {known}).", "model")
+            raise ModelNotFound(
+                f"The model {model!r} does not exist here (known: {known}).", "model"
+            )
         if request.task is not None and request.task not in self.deployment.quality:
             known = ", ".join(self.deployment.tasks)
             raise BadRequest(f"Unknown task {request.task!r} (known: {known}).", "task")

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway, in a registry of their own (one per app, not process-global)."""
+"""Prometheus metrics of the gateway, in a registry of their own (one per app, not global)."""
 
 from __future__ import annotations
 
@@ -36,28 +36,43 @@ class Metrics:
     def __init__(self, replicas: ReplicaSet) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "serving_requests", "Requests by QoS class, model and outcome.",
-            ["qos_class", "model", "outcome"], registry=self.registry,
+            "serving_requests",
+            "Requests by QoS class, model and outcome.",
+            ["qos_class", "model", "outcome"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
-            "serving_ttft_seconds", "Time from arrival to the first token.",
-            ["qos_class", "model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "serving_ttft_seconds",
+            "Time from arrival to the first token.",
+            ["qos_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.tpot = Histogram(
-            "serving_tpot_seconds", "Mean time per output token after the first, per request.",
-            ["qos_class", "model"], buckets=_TPOT_BUCKETS, registry=self.registry,
+            "serving_tpot_seconds",
+            "Mean time per output token after the first, per request.",
+            ["qos_class", "model"],
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
-            "serving_e2e_seconds", "Time from arrival to the last token.",
-            ["qos_class", "model"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "serving_e2e_seconds",
+            "Time from arrival to the last token.",
+            ["qos_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.slo_met = Counter(
-            "serving_slo_met", "Completed requests whose time per output token met the SLO.",
-            ["qos_class", "model"], registry=self.registry,
+            "serving_slo_met",
+            "Completed requests whose time per output token met the SLO.",
+            ["qos_class", "model"],
+            registry=self.registry,
         )
         self.tokens = Counter(
-            "serving_generated_tokens", "Output tokens streamed to clients.",
-            ["model"], registry=self.registry,
+            "serving_generated_tokens",
+            "Output tokens streamed to clients.",
+            ["model"],
+            registry=self.registry,
         )
         self.registry.register(_ReplicaCollector(replicas))
 
@@ -76,14 +91,21 @@ class _ReplicaCollector(Collector):
         self.replicas = replicas
 
     def collect(self) -> Iterable[Metric]:
-        yield self._gauge("serving_replica_in_flight",
-                          "Requests the gateway has dispatched to the replica and not finished.",
-                          ((r, r.running) for r in self.replicas))
-        yield self._gauge("serving_engine_unfinished",
-                          "Requests the replica's engine itself still holds.",
-                          ((r, r.engine.unfinished()) for r in self.replicas))
-        yield self._gauge("serving_replica_healthy", "1 if the replica accepts requests.",
-                          ((r, int(r.engine.healthy())) for r in self.replicas))
+        yield self._gauge(
+            "serving_replica_in_flight",
+            "Requests the gateway has dispatched to the replica and not finished.",
+            ((r, r.running) for r in self.replicas),
+        )
+        yield self._gauge(
+            "serving_engine_unfinished",
+            "Requests the replica's engine itself still holds.",
+            ((r, r.engine.unfinished()) for r in self.replicas),
+        )
+        yield self._gauge(
+            "serving_replica_healthy",
+            "1 if the replica accepts requests.",
+            ((r, int(r.engine.healthy())) for r in self.replicas),
+        )
 
     @staticmethod
     def _gauge(name: str, doc: str, values: Iterator) -> GaugeMetricFamily:

@@ -29,8 +29,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def to_message(self) -> Message:
-        text = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
         )
         return Message(role="system" if self.role == "developer" else self.role, content=text)
 

@@ -61,7 +61,7 @@ class ReplicaSet:
         results = await asyncio.gather(
             *(r.engine.close() for r in self.replicas), return_exceptions=True
         )
-        for replica, result in zip(self.replicas, results):
+        for replica, result in zip(self.replicas, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("%s: close failed: %r", replica.name, result)
 

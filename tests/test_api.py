@@ -25,8 +25,13 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
 
 
 def test_chat_completion_streams_token_by_token(server: Server) -> None:
-    body = {"messages": HELLO, "max_tokens": 12, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": HELLO,
+        "max_tokens": 12,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -49,8 +54,12 @@ def test_chat_completion_streams_token_by_token(server: Server) -> None:
 def test_official_openai_client_streams(server: Server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked")
     stream = client.chat.completions.create(
-        model="auto", messages=HELLO, max_tokens=10, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="auto",
+        messages=HELLO,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     pieces, usage, models = [], None, set()
     for chunk in stream:
@@ -66,14 +75,16 @@ def test_official_openai_client_streams(server: Server) -> None:
 
 def test_openai_client_non_streaming_and_completions(server: Server) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked")
-    chat = client.chat.completions.create(model="tiny-m", messages=HELLO, max_tokens=6,
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="tiny-m", messages=HELLO, max_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert chat.model == "tiny-m"
     assert chat.usage.completion_tokens == 6
     assert chat.choices[0].finish_reason == "length"
     assert isinstance(chat.choices[0].message.content, str)
-    text = client.completions.create(model="tiny-s", prompt="The moon", max_tokens=4,
-                                     extra_body={"ignore_eos": True})
+    text = client.completions.create(
+        model="tiny-s", prompt="The moon", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert text.model == "tiny-s"
     assert text.usage.completion_tokens == 4
     assert text.usage.prompt_tokens > 0
@@ -83,17 +94,29 @@ def test_models_health_and_metrics(server: Server) -> None:
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["auto", "tiny-s", "tiny-m", "tiny-l"]
     health = httpx.get(server.url + "/healthz").json()
-    assert health == {"status": "ok", "replicas": {"cpu/tiny-s": True, "cpu/tiny-m": True,
-                                                   "cpu/tiny-l": True}}
-    before = server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
-                           outcome="ok")
-    httpx.post(server.url + "/v1/completions", timeout=60,
-               json={"model": "tiny-s", "prompt": "Hi", "max_tokens": 3})
-    assert server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
-                         outcome="ok") == before + 1
+    assert health == {
+        "status": "ok",
+        "replicas": {"cpu/tiny-s": True, "cpu/tiny-m": True, "cpu/tiny-l": True},
+    }
+    before = server.metric(
+        "serving_requests_total", qos_class="free-tier", model="tiny-s", outcome="ok"
+    )
+    httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny-s", "prompt": "Hi", "max_tokens": 3},
+    )
+    assert (
+        server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s", outcome="ok")
+        == before + 1
+    )
     text = httpx.get(server.url + "/metrics").text
-    for family in ("serving_ttft_seconds_bucket", "serving_tpot_seconds_bucket",
-                   "serving_replica_in_flight", "serving_engine_unfinished"):
+    for family in (
+        "serving_ttft_seconds_bucket",
+        "serving_tpot_seconds_bucket",
+        "serving_replica_in_flight",
+        "serving_engine_unfinished",
+    ):
         assert family in text
 
 
@@ -107,11 +130,18 @@ def _in_flight_is_zero(server: Server) -> bool:
 
 def test_client_disconnect_mid_stream_frees_the_engine_slot(server: Server) -> None:
     # Long enough (about 2,000 tokens on the biggest model) that only an abort ends it soon.
-    body = {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny-l",
+        "messages": HELLO,
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
-        received = sum(1 for _, line in zip(range(6), lines) if line.startswith("data: "))
+        received = sum(
+            1 for _, line in zip(range(6), lines, strict=False) if line.startswith("data: ")
+        )
         assert received >= 2
         assert server.metric("serving_replica_in_flight", replica="cpu/tiny-l", model="tiny-l") == 1
         assert server.metric("serving_engine_unfinished", replica="cpu/tiny-l", model="tiny-l") == 1
@@ -120,23 +150,36 @@ def test_client_disconnect_mid_stream_frees_the_engine_slot(server: Server) -> N
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server: Server) -> None:
-    body = json.dumps({"model": "tiny-l", "messages": HELLO, "max_tokens": 2000,
-                       "ignore_eos": True}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    body = json.dumps(
+        {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     # A client that gives up: it sends the request, then hangs up before the answer.
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + body)
-        wait_until(lambda: server.metric("serving_engine_unfinished", replica="cpu/tiny-l",
-                                         model="tiny-l") == 1, 10, "the request to reach the engine")
+        wait_until(
+            lambda: (
+                server.metric("serving_engine_unfinished", replica="cpu/tiny-l", model="tiny-l")
+                == 1
+            ),
+            10,
+            "the request to reach the engine",
+        )
     wait_until(lambda: _in_flight_is_zero(server), 10, "the running counts to return to 0")
 
 
 def test_deadline_passes_before_the_first_token(server: Server) -> None:
     labels = {"qos_class": "impatient", "model": "tiny-l", "outcome": "deadline"}
     before = server.metric("serving_requests_total", **labels)
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-qos-class": "impatient"},
-                   json={"model": "tiny-l", "messages": HELLO, "max_tokens": 50}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"x-qos-class": "impatient"},
+        json={"model": "tiny-l", "messages": HELLO, "max_tokens": 50},
+        timeout=30,
+    )
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "deadline_exceeded"
     assert "deadline" in r.json()["error"]["message"]
@@ -152,8 +195,9 @@ def test_premium_key_grants_the_real_time_class(server: Server) -> None:
     assert anonymous.json()["error"]["code"] == "qos_class_not_granted"
     urgent = httpx.post(url, json=body, headers={"priority": "u=0"}, timeout=30)
     assert urgent.headers["x-qos-class"] == "free-tier"  # the nearest class it may have
-    premium = httpx.post(url, json=body, timeout=30,
-                         headers={"authorization": f"Bearer {PREMIUM_KEY}"})
+    premium = httpx.post(
+        url, json=body, timeout=30, headers={"authorization": f"Bearer {PREMIUM_KEY}"}
+    )
     assert premium.status_code == 200
     assert premium.headers["x-qos-class"] == "real-time"
 
@@ -165,25 +209,61 @@ BAD_INPUTS = {
     "not an object": ("/v1/chat/completions", [], 400, "invalid_value"),
     "messages missing": ("/v1/chat/completions", {"max_tokens": 3}, 400, "invalid_value"),
     "empty messages": ("/v1/chat/completions", {"messages": []}, 400, "invalid_value"),
-    "wrong type": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": "ten"}, 400,
-                   "invalid_value"),
-    "wrong role": ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
-                   400, "invalid_value"),
-    "max_tokens zero": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, 400,
-                        "invalid_value"),
-    "max_tokens negative": ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400,
-                            "invalid_value"),
-    "max_tokens absurd": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 10**12}, 400,
-                          "invalid_value"),
-    "max_tokens past the context": ("/v1/chat/completions", {"messages": HELLO,
-                                    "max_tokens": 4000}, 400, "context_length_exceeded"),
-    "prompt past the context": ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4},
-                                400, "context_length_exceeded"),
-    "unknown model": ("/v1/chat/completions", {"model": "gpt-9", "messages": HELLO}, 404,
-                      "model_not_found"),
+    "wrong type": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "max_tokens": "ten"},
+        400,
+        "invalid_value",
+    ),
+    "wrong role": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "invalid_value",
+    ),
+    "max_tokens zero": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "max_tokens": 0},
+        400,
+        "invalid_value",
+    ),
+    "max_tokens negative": (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": -5},
+        400,
+        "invalid_value",
+    ),
+    "max_tokens absurd": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "max_tokens": 10**12},
+        400,
+        "invalid_value",
+    ),
+    "max_tokens past the context": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "max_tokens": 4000},
+        400,
+        "context_length_exceeded",
+    ),
+    "prompt past the context": (
+        "/v1/completions",
+        {"prompt": LONG_PROMPT, "max_tokens": 4},
+        400,
+        "context_length_exceeded",
+    ),
+    "unknown model": (
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": HELLO},
+        404,
+        "model_not_found",
+    ),
     "n above 1": ("/v1/chat/completions", {"messages": HELLO, "n": 2}, 400, "invalid_value"),
-    "unknown task": ("/v1/chat/completions", {"messages": HELLO, "task": "chess"}, 400,
-                     "invalid_request_error"),
+    "unknown task": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "task": "chess"},
+        400,
+        "invalid_request_error",
+    ),
 }
 
 
@@ -191,8 +271,12 @@ BAD_INPUTS = {
 def test_bad_input_gets_a_clear_4xx(server: Server, case: str) -> None:
     path, body, status, code = BAD_INPUTS[case]
     if isinstance(body, bytes):
-        r = httpx.post(server.url + path, content=body,
-                       headers={"content-type": "application/json"}, timeout=30)
+        r = httpx.post(
+            server.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
     else:
         r = httpx.post(server.url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
@@ -203,12 +287,14 @@ def test_bad_input_gets_a_clear_4xx(server: Server, case: str) -> None:
 
 def test_refused_requests_are_counted_without_client_chosen_labels(server: Server) -> None:
     def count(qos_class: str, outcome: str) -> float:
-        return server.metric("serving_requests_total", qos_class=qos_class, model="none",
-                             outcome=outcome)
+        return server.metric(
+            "serving_requests_total", qos_class=qos_class, model="none", outcome=outcome
+        )
 
     url = server.url + "/v1/chat/completions"
-    before = {k: count(*k) for k in [("free-tier", "invalid"), ("none", "invalid"),
-                                      ("none", "refused")]}
+    before = {
+        k: count(*k) for k in [("free-tier", "invalid"), ("none", "invalid"), ("none", "refused")]
+    }
     httpx.post(url, json={"model": "made-up", "messages": HELLO})  # 404, after classification
     httpx.post(url, json={"messages": []})  # 400, before classification
     httpx.post(url, json={"messages": HELLO}, headers={"x-qos-class": "real-time"})  # 403
@@ -221,17 +307,19 @@ def test_refused_requests_are_counted_without_client_chosen_labels(server: Serve
 def test_oversized_body_is_refused_with_413(server: Server) -> None:
     huge = json.dumps({"messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}).encode()
     url = server.url + "/v1/chat/completions"
-    declared = httpx.post(url, content=huge, headers={"content-type": "application/json"},
-                          timeout=30)
+    declared = httpx.post(
+        url, content=huge, headers={"content-type": "application/json"}, timeout=30
+    )
     assert declared.status_code == 413
     assert declared.json()["error"]["code"] == "body_too_large"
 
     def chunks():  # chunked transfer: the size is never declared up front
         for i in range(0, len(huge), 2**16):
-            yield huge[i:i + 2**16]
+            yield huge[i : i + 2**16]
 
-    chunked = httpx.post(url, content=chunks(), headers={"content-type": "application/json"},
-                         timeout=30)
+    chunked = httpx.post(
+        url, content=chunks(), headers={"content-type": "application/json"}, timeout=30
+    )
     assert chunked.status_code == 413
     # And the server keeps serving.
     ok = httpx.post(url, json={"messages": HELLO, "max_tokens": 2}, timeout=30)

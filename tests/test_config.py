@@ -64,27 +64,44 @@ BROKEN = {
     "missing section": (lambda s: s.pop("qos_classes"), "qos_classes"),
     "head_dim the CPU kernel lacks": (
         lambda s: s["models"]["tiny-s"]["build"].update(hidden_size=96, num_heads=6),
-        "models.tiny-s.build"),
-    "unknown placement": (lambda s: s["deployments"]["embedded"].update(placement="nowhere"),
-                          "deployments.embedded.placement"),
+        "models.tiny-s.build",
+    ),
+    "unknown placement": (
+        lambda s: s["deployments"]["embedded"].update(placement="nowhere"),
+        "deployments.embedded.placement",
+    ),
     "unknown model in a placement": (
         lambda s: s["placements"]["embedded-cpu"][0].update(model="gpt-9"),
-        "placements.embedded-cpu[0].model"),
-    "no location": (lambda s: s["placements"]["embedded-cpu"][0].pop("device"),
-                    "placements.embedded-cpu.0"),
-    "bad device": (lambda s: s["placements"]["embedded-cpu"][0].update(device="tpu"),
-                   "placements.embedded-cpu.0"),
+        "placements.embedded-cpu[0].model",
+    ),
+    "no location": (
+        lambda s: s["placements"]["embedded-cpu"][0].pop("device"),
+        "placements.embedded-cpu.0",
+    ),
+    "bad device": (
+        lambda s: s["placements"]["embedded-cpu"][0].update(device="tpu"),
+        "placements.embedded-cpu.0",
+    ),
     "GPU over-committed": (
         lambda s: s["placements"]["paper-4gpu"][2].update(memory_fraction=0.9),
-        "memory fractions on cuda:0"),
+        "memory fractions on cuda:0",
+    ),
     "tier granting an unknown class": (
-        lambda s: s["tiers"]["premium"]["classes"].append("platinum"), "tiers.premium.classes"),
+        lambda s: s["tiers"]["premium"]["classes"].append("platinum"),
+        "tiers.premium.classes",
+    ),
     "tier default not granted": (
-        lambda s: s["tiers"]["anonymous"].update(default="real-time"), "tiers.anonymous"),
+        lambda s: s["tiers"]["anonymous"].update(default="real-time"),
+        "tiers.anonymous",
+    ),
     "quality row for an unknown model": (
-        lambda s: s["quality"]["tasks"]["copa"].update({"gpt-9": 1.0}), "quality.tasks.copa"),
-    "urgency out of range": (lambda s: s["qos_classes"]["long"].update(urgency=9),
-                             "qos_classes.long.urgency"),
+        lambda s: s["quality"]["tasks"]["copa"].update({"gpt-9": 1.0}),
+        "quality.tasks.copa",
+    ),
+    "urgency out of range": (
+        lambda s: s["qos_classes"]["long"].update(urgency=9),
+        "qos_classes.long.urgency",
+    ),
 }
 
 
@@ -99,7 +116,9 @@ def test_a_wrong_file_is_refused_naming_the_field(tmp_path: Path, case: str) -> 
 
 def test_a_model_missing_from_the_quality_table_is_named(tmp_path: Path) -> None:
     spec = broken(lambda s: s["quality"]["tasks"]["piqa"].pop("opt-6.7b"))
-    with pytest.raises(ConfigError, match=r"quality.tasks.piqa: no value for 'tiny-l' or 'opt-6.7b'"):
+    with pytest.raises(
+        ConfigError, match=r"quality.tasks.piqa: no value for 'tiny-l' or 'opt-6.7b'"
+    ):
         resolve(load(write(tmp_path, spec)), "embedded", ROOT)
 
 

@@ -20,8 +20,12 @@ HELLO = [{"role": "user", "content": "Hello there!"}]
 def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: Server) -> None:
     client = openai.OpenAI(base_url=remote_server.url + "/v1", api_key="unused")
     stream = client.chat.completions.create(
-        model="auto", messages=HELLO, max_tokens=8, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="auto",
+        messages=HELLO,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert {c.model for c in chunks} == {"tiny-s"}
@@ -31,8 +35,11 @@ def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: 
 
 
 def test_remote_rejection_keeps_its_status_and_message(remote_server: Server) -> None:
-    r = httpx.post(remote_server.url + "/v1/chat/completions", timeout=30,
-                   json={"messages": HELLO, "max_tokens": 5000})
+    r = httpx.post(
+        remote_server.url + "/v1/chat/completions",
+        timeout=30,
+        json={"messages": HELLO, "max_tokens": 5000},
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     assert "max_model_len=2048" in error["message"]  # vLLM's own words
@@ -44,8 +51,9 @@ def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
 ) -> None:
     body = {"messages": HELLO, "max_tokens": 1500, "stream": True, "ignore_eos": True}
     events = []
-    with httpx.stream("POST", remote_server.url + "/v1/chat/completions", json=body,
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", remote_server.url + "/v1/chat/completions", json=body, timeout=60
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -58,17 +66,30 @@ def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
     error = events[-2]["error"]
     assert error["code"] == "engine_error"
     assert error["type"] == "server_error"
-    assert remote_server.metric("serving_requests_total", qos_class="free-tier", model="tiny-s",
-                                outcome="engine_error") == 1
+    assert (
+        remote_server.metric(
+            "serving_requests_total", qos_class="free-tier", model="tiny-s", outcome="engine_error"
+        )
+        == 1
+    )
 
     # With its only engine down, the server says so instead of hanging.
     r = httpx.post(remote_server.url + "/v1/chat/completions", json={"messages": HELLO}, timeout=30)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "service_unavailable"
     assert httpx.get(remote_server.url + "/healthz").status_code == 503
-    wait_until(lambda: remote_server.metric("serving_replica_in_flight",
-                                            replica=f"127.0.0.1:{upstream.port}/tiny-s",
-                                            model="tiny-s") == 0, 10, "the replica to be released")
+    wait_until(
+        lambda: (
+            remote_server.metric(
+                "serving_replica_in_flight",
+                replica=f"127.0.0.1:{upstream.port}/tiny-s",
+                model="tiny-s",
+            )
+            == 0
+        ),
+        10,
+        "the replica to be released",
+    )
 
 
 def test_openai_client_sees_the_outage_as_an_exception(remote_server: Server) -> None:

@@ -19,9 +19,12 @@ QUALITY = {
 def view(*running: int, available: tuple[bool, ...] | None = None) -> ClusterView:
     models = ["small", "medium", "large"] * (len(running) // 3)
     available = available or (True,) * len(running)
-    return ClusterView(tuple(
-        ReplicaState(f"r{i}", m, n, a) for i, (m, n, a) in enumerate(zip(models, running, available))
-    ))
+    return ClusterView(
+        tuple(
+            ReplicaState(f"r{i}", m, n, a)
+            for i, (m, n, a) in enumerate(zip(models, running, available, strict=True))
+        )
+    )
 
 
 def request(task: str | None = "hellaswag") -> Request:
@@ -61,8 +64,13 @@ def test_unknown_task_ranks_models_by_mean_quality() -> None:
 
 
 def test_encoder_layout() -> None:
-    encoder = FeatureEncoder(["r0", "r1", "r2"], ["hellaswag", "copa"], ["real-time", "free-tier"],
-                             batch_scale=10, rate_scale=20)
+    encoder = FeatureEncoder(
+        ["r0", "r1", "r2"],
+        ["hellaswag", "copa"],
+        ["real-time", "free-tier"],
+        batch_scale=10,
+        rate_scale=20,
+    )
     obs = encoder.encode(view(1, 2, 5), request("copa"), rate=4.0)
     np.testing.assert_allclose(obs, [0.1, 0.2, 0.5, 0, 1, 0.2, 0, 1])
     assert obs.dtype == np.float32 and encoder.size == 8

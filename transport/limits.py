@@ -58,11 +58,24 @@ class BodyLimit:
 
     async def _refuse(self, send: Send) -> None:
         self.on_refuse()
-        body = json.dumps({"error": {
-            "message": f"The request body is larger than {self.max_bytes} bytes.",
-            "type": "invalid_request_error", "param": None, "code": "body_too_large",
-        }}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"The request body is larger than {self.max_bytes} bytes.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "body_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -1,10 +1,13 @@
 """Which QoS class a request gets, from its headers.
 
-Sources, in order of trust: the tier of the API key (`Authorization: Bearer <key>`), which bounds
-everything else (no key, or an unknown one, gets the anonymous tier if there is one); the `x-qos-class` header, naming one of the classes the tier grants; the RFC 9218
-`priority` header (`u=0..7`), mapped to the granted class of nearest urgency (on a tie, the less
-urgent one). Without either
-header the tier's default applies. A tier that does not grant a class can never reach it.
+Sources, in order of trust:
+1. the tier of the API key (`Authorization: Bearer <key>`), which bounds everything else; no key,
+   or an unknown one, gets the anonymous tier if there is one;
+2. the `x-qos-class` header, naming one of the classes the tier grants;
+3. the RFC 9218 `priority` header (`u=0..7`), mapped to the granted class of nearest urgency (on a
+   tie, the less urgent one).
+Without either header the tier's default applies. A tier that does not grant a class can never
+reach it.
 """
 
 from __future__ import annotations
@@ -60,15 +63,16 @@ class QosClassifier:
                 )
             if wanted not in tier.classes:
                 raise QosRejected(
-                    403, f"QoS class {wanted!r} needs an API key whose tier grants it; "
-                    f"tier {tier_name!r} grants {', '.join(tier.classes)}."
+                    403,
+                    f"QoS class {wanted!r} needs an API key whose tier grants it; "
+                    f"tier {tier_name!r} grants {', '.join(tier.classes)}.",
                 )
             return Classification(wanted, tier_name)
         urgency = _urgency(headers.get("priority"))
         if urgency is not None:
             nearest = min(
-                tier.classes, key=lambda c: (abs(self.classes[c].urgency - urgency),
-                                             -self.classes[c].urgency)
+                tier.classes,
+                key=lambda c: (abs(self.classes[c].urgency - urgency), -self.classes[c].urgency),
             )
             return Classification(nearest, tier_name)
         return Classification(tier.default, tier_name)

@@ -50,7 +50,9 @@ class RemoteEngine:
         if await self._reachable():
             self._healthy = True
         else:
-            log.warning("%s: %s does not answer; will keep trying", self.config.name, self.config.url)
+            log.warning(
+                "%s: %s does not answer; will keep trying", self.config.name, self.config.url
+            )
             self._mark_down()
 
     async def _reachable(self) -> bool:
@@ -112,7 +114,9 @@ class RemoteEngine:
                 generated = total
         except openai.APITimeoutError as exc:
             # One slow stream is this request's failure, not proof that the server is gone.
-            raise EngineError(f"{self.config.name}: no output from {self.config.url} in time") from exc
+            raise EngineError(
+                f"{self.config.name}: no output from {self.config.url} in time"
+            ) from exc
         except openai.APIConnectionError as exc:
             self._mark_down()
             raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc}") from exc

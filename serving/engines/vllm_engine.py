@@ -1,4 +1,4 @@
-"""An in-process vLLM engine (AsyncLLM) on one device: a GPU, or the CPU through the vLLM CPU build."""
+"""An in-process vLLM engine (AsyncLLM) on one device: a GPU, or the CPU via vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -74,12 +74,14 @@ class VllmEngine:
         return {}
 
     def _spawn_env(self) -> dict[str, str]:
-        """What the engine's processes must see when they start, to land on this replica's device."""
+        """What the engine's processes must see when they start to land on the replica's device."""
         device = self.config.device or "cpu"
         if device == "cpu":
             # vLLM's default ("auto") binds the engine's threads to all cores but one, which it
-            # leaves to the front-end; that split measured steadier and faster than letting the
-            # OS float the threads (benchmarks/api_overhead.py). A placement may pin other cores.
+            # leaves to the front-end. On the 2-core embedded deployment that beat letting the OS
+            # float the threads ("nobind"): 220 against 97 tokens/s with 16 streams spread over
+            # the models by the router. Engines sharing cores still slow each other: an idle vLLM
+            # worker busy-polls for a second after each step. A placement may pin other cores.
             return {"VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_cores or "auto"}
         index = device.removeprefix("cuda:")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -141,17 +143,21 @@ class VllmEngine:
         try:
             ids = await self._prompt_ids_off_loop(request)
         except TemplateError as exc:  # a model's own template may refuse a conversation
-            raise InvalidRequest(f"The chat template refused the messages: {exc}",
-                                 param="messages") from exc
+            raise InvalidRequest(
+                f"The chat template refused the messages: {exc}", param="messages"
+            ) from exc
         params = self._sampling_params(request, sampling, len(ids))
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
-            async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
-                                          request.request_id):
+            async for out in llm.generate(
+                TokensPrompt(prompt_token_ids=ids), params, request.request_id
+            ):
                 completion = out.outputs[0]
                 finish = completion.finish_reason if out.finished else None
                 if finish in ("error", "abort"):  # vLLM's request-level failures
-                    raise EngineError(f"{self.config.name}: the engine ended the request ({finish})")
+                    raise EngineError(
+                        f"{self.config.name}: the engine ended the request ({finish})"
+                    )
                 yield TokenDelta(
                     text=completion.text,
                     tokens=len(completion.token_ids),
