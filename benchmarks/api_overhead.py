@@ -7,8 +7,9 @@ alternate, so that drift on a noisy machine touches all three alike:
   api      HTTP/1.1 through uvicorn and the FastAPI app, streamed (SSE), from a client process
 
 Each round keeps `--concurrency` streams open (a closed loop, like `vllm bench serve
---max-concurrency`): every worker sends its next request as soon as its last one ends. The HTTP
-client is a few lines over raw sockets, so that what it costs itself stays out of the numbers.
+--max-concurrency`): every worker sends its next request as soon as its last one ends, on the
+same kept-alive connection. The HTTP client is a few lines over raw sockets, so that what it
+costs itself stays out of the numbers.
 Per path: p50 TTFT over all requests, and tokens/s per round (all tokens / round wall time).
 
     python benchmarks/api_overhead.py [--concurrency 16] [--rounds 10] [--model tiny-m]
@@ -46,8 +47,11 @@ def length(mean: int, worker: int, k: int) -> int:
     return random.Random(f"{worker}/{k}").randint(mean // 2, mean * 3 // 2)
 
 
-async def closed_loop(stream: Stream, concurrency: int, per_worker: int, mean_tokens: int) -> dict:
+async def closed_loop(
+    open_worker: Callable[[], Stream], concurrency: int, per_worker: int, mean_tokens: int
+) -> dict:
     async def worker(w: int) -> list[tuple[float, int]]:
+        stream = open_worker()
         return [await stream(length(mean_tokens, w, k)) for k in range(per_worker)]
 
     start = time.perf_counter()
@@ -58,43 +62,52 @@ async def closed_loop(stream: Stream, concurrency: int, per_worker: int, mean_to
     return {"ttft": [r[0] for r in results], "tokens": sum(r[1] for r in results), "wall": wall}
 
 
-def http_stream(port: int, model: str) -> Stream:
-    async def stream(max_tokens: int) -> tuple[float, int]:
-        body = json.dumps(
-            {
-                "model": model,
-                "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-        ).encode()
-        request = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Content-Type: application/json\r\nx-qos-class: {QOS_CLASS}\r\n"
-            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
-        start = time.perf_counter()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(request)
-        ttft, received = None, []
-        while data := await reader.read(65536):
-            if ttft is None and b"data: {" in data:
-                ttft = time.perf_counter() - start
-            received.append(data)
-        writer.close()
-        raw = b"".join(received)
-        if not raw.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(raw[:300].decode(errors="replace"))
-        usage = [
-            line
-            for line in raw.split(b"\r\n")
-            if line.startswith(b"data: {") and b'"usage"' in line
-        ]
-        return ttft, json.loads(usage[-1][6:])["usage"]["completion_tokens"]
+def http_worker(port: int, model: str) -> Callable[[], Stream]:
+    """Each worker keeps one connection open for all its requests, as OpenAI clients do; the
+    connection is made before the first request's clock starts."""
 
-    return stream
+    def open_worker() -> Stream:
+        connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+        async def stream(max_tokens: int) -> tuple[float, int]:
+            nonlocal connection
+            if connection is None:
+                connection = await asyncio.open_connection("127.0.0.1", port)
+            reader, writer = connection
+            body = json.dumps(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": PROMPT}],
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ).encode()
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Type: application/json\r\nx-qos-class: {QOS_CLASS}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            start = time.perf_counter()
+            writer.write(head + body)
+            headers = await reader.readuntil(b"\r\n\r\n")
+            if not headers.startswith(b"HTTP/1.1 200") or b"chunked" not in headers.lower():
+                raise RuntimeError(headers.decode(errors="replace"))
+            ttft, usage = None, b""
+            while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+                chunk = await reader.readexactly(size + 2)  # the data and its CRLF
+                if ttft is None and b"data: {" in chunk:
+                    ttft = time.perf_counter() - start
+                if b'"usage"' in chunk:
+                    usage = chunk
+            await reader.readuntil(b"\r\n")  # the CRLF after the last, empty chunk
+            event = next(line for line in usage.split(b"\n") if b'"usage"' in line)
+            return ttft, json.loads(event.removeprefix(b"data: "))["usage"]["completion_tokens"]
+
+        return stream
+
+    return open_worker
 
 
 def in_process_stream(generate: Callable[[int], AsyncIterator]) -> Stream:
@@ -181,8 +194,8 @@ async def run(args: argparse.Namespace) -> dict:
 
     loop = (args.concurrency, args.per_worker, args.max_tokens)
     paths = {
-        "engine": lambda: closed_loop(in_process_stream(engine_path), *loop),
-        "gateway": lambda: closed_loop(in_process_stream(gateway_path), *loop),
+        "engine": lambda: closed_loop(lambda: in_process_stream(engine_path), *loop),
+        "gateway": lambda: closed_loop(lambda: in_process_stream(gateway_path), *loop),
         "api": api_round,
     }
     for run_path in paths.values():  # warm-up, not measured
@@ -291,9 +304,13 @@ def main() -> None:
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # internal: a client round
     args = parser.parse_args()
     if args.client:
-        stream = http_stream(args.client, args.model)
         result = asyncio.run(
-            closed_loop(stream, args.concurrency, args.per_worker, args.max_tokens)
+            closed_loop(
+                http_worker(args.client, args.model),
+                args.concurrency,
+                args.per_worker,
+                args.max_tokens,
+            )
         )
         usage = resource.getrusage(resource.RUSAGE_SELF)
         result["client_cpu_s"] = usage.ru_utime + usage.ru_stime

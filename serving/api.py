@@ -25,8 +25,9 @@ from starlette.types import Receive, Scope, Send
 from serving import metrics as outcomes
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
 from serving.metrics import Metrics
-from serving.protocol import ChatCompletionRequest, CompletionRequest, _Generate
+from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from transport.qos import QosClassifier, QosRejected
+from workloads import Message
 from workloads import Request as LlmRequest
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ def create_app(
 async def _serve(
     gateway: Gateway,
     classifier: QosClassifier,
-    body: _Generate,
-    prompt: Any,
+    body: GenerateRequest,
+    prompt: str | tuple[Message, ...],
     raw: Request,
     chat: bool,
 ) -> Response:

@@ -67,6 +67,14 @@ class EngineFailed(GatewayError):
     status, code, outcome = 500, "engine_error", outcomes.ENGINE_ERROR
 
 
+def deadline_exceeded(request: Request, deployment: Deployment) -> DeadlineExceeded:
+    deadline = deployment.qos_classes[request.qos_class].deadline_s
+    return DeadlineExceeded(
+        f"No token within the {request.qos_class} class's deadline of {deadline:g} s; "
+        "the request was aborted."
+    )
+
+
 AUTO = "auto"
 """The model name that lets the router choose."""
 
@@ -101,8 +109,8 @@ class Gateway:
         while True:
             try:
                 self._check(request, model)
-                if self._deadline(request) <= self.clock():
-                    raise DeadlineExceeded(self._late(request))
+                if self.deadline(request) <= self.clock():
+                    raise deadline_exceeded(request, self.deployment)
                 replica = self._route(request, model, rate, skipped)
             except GatewayError as exc:
                 # Never a client-chosen label value: an unknown name would grow the metric forever.
@@ -118,15 +126,9 @@ class Gateway:
                 log.warning("%s; trying another replica", exc)
                 skipped.add(replica.name)
 
-    def _deadline(self, request: Request) -> float:
+    def deadline(self, request: Request) -> float:
+        """When the request's first token is due, on the gateway's clock."""
         return request.arrival + self.deployment.qos_classes[request.qos_class].deadline_s
-
-    def _late(self, request: Request) -> str:
-        deadline = self.deployment.qos_classes[request.qos_class].deadline_s
-        return (
-            f"No token within the {request.qos_class} class's deadline of {deadline:g} s; "
-            "the request was aborted."
-        )
 
     def _check(self, request: Request, model: str) -> None:
         if model != AUTO and model not in self.deployment.models:
@@ -216,10 +218,10 @@ class Generation:
         """
         gateway = self.gateway
         try:
-            async with asyncio.timeout(max(gateway._deadline(self.request) - gateway.clock(), 0)):
+            async with asyncio.timeout(max(gateway.deadline(self.request) - gateway.clock(), 0)):
                 self._first = await self._next()
         except TimeoutError:
-            await self._fail(DeadlineExceeded(gateway._late(self.request)))
+            await self._fail(deadline_exceeded(self.request, gateway.deployment))
         except InvalidRequest as exc:
             await self._fail(BadRequest(exc.message, exc.param, exc.code))
         except EngineUnavailable:

@@ -43,7 +43,9 @@ class StreamOptions(BaseModel):
     """vLLM's extension: usage on every chunk."""
 
 
-class _Generate(BaseModel):
+class GenerateRequest(BaseModel):
+    """What chat and text completion requests share."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str = "auto"
@@ -90,7 +92,7 @@ class _Generate(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatCompletionRequest(_Generate):
+class ChatCompletionRequest(GenerateRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     tools: Literal[None] = None
@@ -102,7 +104,7 @@ class ChatCompletionRequest(_Generate):
         return self
 
 
-class CompletionRequest(_Generate):
+class CompletionRequest(GenerateRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
     suffix: Literal[None] = None

@@ -26,6 +26,10 @@ from workloads import Request
 log = logging.getLogger(__name__)
 
 
+class WrongModel(Exception):
+    """The server answers, but does not serve the model under the configured name."""
+
+
 class RemoteEngine:
     def __init__(
         self, config: ReplicaConfig, probe_interval_s: float = 2.0, read_timeout_s: float = 60.0
@@ -62,7 +66,7 @@ class RemoteEngine:
             return False
         served = {m.id for m in models.data}
         if self.config.served_name not in served:
-            raise RuntimeError(
+            raise WrongModel(
                 f"{self.config.name}: {self.config.url} serves {sorted(served)}, not "
                 f"{self.config.served_name!r}; set served_name in models.yaml"
             )
@@ -84,7 +88,7 @@ class RemoteEngine:
                     log.info("%s: %s answers again", self.config.name, self.config.url)
                     self._healthy = True
                     return
-            except RuntimeError as exc:  # it answers, but not with this model: say so, once
+            except WrongModel as exc:  # it answers, but not with this model: say so, once
                 if str(exc) != last_problem:
                     log.error("%s", exc)
                     last_problem = str(exc)
