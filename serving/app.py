@@ -40,4 +40,5 @@ def build_app(
         BodyLimit, max_bytes=max_body_bytes, on_refuse=lambda: gateway.metrics.rejected(INVALID)
     )
     app.state.gateway = gateway
+    app.state.classifier = classifier
     return app

@@ -26,10 +26,14 @@ PREMIUM_KEY = "test-premium-key"
 STARTUP_TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_udp_port() -> int:
+    return free_port(socket.SOCK_DGRAM)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
@@ -50,6 +54,7 @@ class Server:
     port: int
     log: Path
     health_path: str
+    h3_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -101,6 +106,7 @@ def launch(
     health_path: str,
     log_dir: Path,
     env: dict[str, str] | None = None,
+    h3_port: int | None = None,
 ) -> Server:
     log = log_dir / f"{name}.log"
     process = subprocess.Popen(
@@ -111,7 +117,7 @@ def launch(
         env={**os.environ, **(env or {})},
         start_new_session=True,
     )
-    return Server(name, process, port, log, health_path)
+    return Server(name, process, port, log, health_path, h3_port)
 
 
 def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
@@ -164,7 +170,7 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     # The embedded models must exist before `vllm serve` loads one of them.
     subprocess.run([PYTHON, "-m", "serving.embedded"], cwd=ROOT, check=True)
     servers: dict[str, Server] = {}
-    embedded_port = free_port()
+    embedded_port, embedded_h3 = free_port(), free_udp_port()
     servers["embedded"] = launch(
         "embedded",
         [
@@ -177,10 +183,13 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
             "embedded",
             "--port",
             str(embedded_port),
+            "--h3-port",
+            str(embedded_h3),
         ],
         embedded_port,
         "/healthz",
         session_dir,
+        h3_port=embedded_h3,
     )
     template = session_dir / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
@@ -226,6 +235,8 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
             "remote_test",
             "--port",
             str(gateway_port),
+            "--h3-port",
+            "0",
         ],
         gateway_port,
         "/v1/models",
@@ -265,3 +276,39 @@ def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
         "the remote replica to be healthy",
     )
     return server
+
+
+CERT = ROOT / ".certs" / "cert.pem"
+"""The self-signed certificate the servers make on first start (transport.tls)."""
+
+
+@pytest.fixture(scope="session")
+def frontend(server: Server, session_dir: Path) -> Iterator[Server]:
+    """`python -m transport.frontend` in front of the embedded server's HTTP/3 port."""
+    port, h3_port = free_port(), free_udp_port()
+    edge = launch(
+        "frontend",
+        [
+            PYTHON,
+            "-m",
+            "transport.frontend",
+            "--config",
+            str(session_dir / "models.yaml"),
+            "--deployment",
+            "embedded",
+            "--backend",
+            f"https://localhost:{server.h3_port}",
+            "--backend-cacert",
+            str(CERT),
+            "--port",
+            str(port),
+            "--h3-port",
+            str(h3_port),
+        ],
+        port,
+        "/healthz",
+        session_dir,
+        h3_port=h3_port,
+    )
+    yield edge.wait_ready()
+    edge.stop()

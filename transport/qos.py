@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from config import QosClass, Tier
+from transport.schedulers import StreamSpec
 
 
 class QosRejected(Exception):
@@ -76,6 +77,22 @@ class QosClassifier:
             )
             return Classification(nearest, tier_name)
         return Classification(tier.default, tier_name)
+
+    def stream_spec(
+        self, headers: Mapping[str, str], now: float, soft_deadlines: bool = True
+    ) -> StreamSpec:
+        """The scheduling tag of a stream carrying a request with these headers. A request the
+        classifier refuses gets the untagged spec: it is answered with a 4xx at once anyway."""
+        try:
+            qos_class = self.classes[self.classify(headers).qos_class]
+        except QosRejected:
+            return StreamSpec()
+        return StreamSpec(
+            priority=7 - qos_class.urgency,
+            deadline=now + qos_class.deadline_s,
+            high=qos_class.level == "high",
+            soft=soft_deadlines,
+        )
 
     def _tier(self, authorization: str | None) -> str:
         scheme, _, key = (authorization or "").partition(" ")

@@ -1,0 +1,400 @@
+"""An HTTP/3 client on one long-lived QUIC connection, with a stream scheduler for its requests.
+
+`Http3Client` multiplexes requests as streams on one connection: the edge front-end forwards
+through it and the load generator drives the server with it. `stream_chat` adds the OpenAI
+chat-completions call on top and times it. `python -m transport.client "prompt"` is the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from aioquic.asyncio import connect
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+from transport.connection import (
+    CoalescingProtocol,
+    ScheduledQuicConnection,
+    StreamExpired,
+    adopt,
+)
+from transport.schedulers import StreamSpec
+
+
+class StreamError(Exception):
+    """The response stream ended abnormally: reset by the peer or the connection closed."""
+
+    def __init__(self, message: str, error_code: int | None = None) -> None:
+        super().__init__(message)
+        self.error_code = error_code
+
+
+@dataclass
+class Response:
+    stream_id: int
+    status: int
+    headers: dict[str, str]
+    _client: Http3Client
+    _chunks: asyncio.Queue[bytes | StreamError | None]
+    _done: bool = False
+
+    async def iter_bytes(self) -> AsyncIterator[bytes]:
+        while not self._done:
+            chunk = await self._chunks.get()
+            if chunk is None:
+                self._done = True
+                return
+            if isinstance(chunk, StreamError):
+                self._done = True
+                raise chunk
+            if chunk:
+                yield chunk
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.iter_bytes()])
+
+    async def iter_lines(self) -> AsyncIterator[str]:
+        buffer = b""
+        async for chunk in self.iter_bytes():
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield line.decode().rstrip("\r")
+        if buffer:
+            yield buffer.decode()
+
+    def close(self) -> None:
+        """Abandon the response: the server sees the stream reset (a client disconnect)."""
+        if not self._done:
+            self._done = True
+            self._client._cancel(self.stream_id)
+
+
+@dataclass
+class _Pending:
+    headers: asyncio.Future[list[tuple[bytes, bytes]]]
+    chunks: asyncio.Queue[bytes | StreamError | None] = field(default_factory=asyncio.Queue)
+
+
+class _ClientProtocol(CoalescingProtocol):
+    def __init__(self, quic: Any, scheduler: str = "rr", **kwargs: Any) -> None:
+        super().__init__(adopt(quic, scheduler), **kwargs)
+        self.h3 = H3Connection(self._quic, enable_webtransport=True)
+        self.pending: dict[int, _Pending] = {}
+        self.closed: StreamError | None = None
+
+    @property
+    def quic(self) -> ScheduledQuicConnection:
+        return self._quic  # type: ignore[return-value]
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, StreamReset | StreamExpired):
+            code = getattr(event, "error_code", ErrorCode.H3_REQUEST_CANCELLED)
+            self._fail(event.stream_id, StreamError(f"stream reset (error {code:#x})", code))
+        elif isinstance(event, ConnectionTerminated):
+            self.closed = StreamError(
+                f"connection closed: {event.reason_phrase or 'no reason'} "
+                f"(error {event.error_code:#x})",
+                event.error_code,
+            )
+            for stream_id in list(self.pending):
+                self._fail(stream_id, self.closed)
+        for h3_event in self.h3.handle_event(event):
+            self._h3_event_received(h3_event)
+
+    def _h3_event_received(self, event: H3Event) -> None:
+        pending = self.pending.get(event.stream_id) if hasattr(event, "stream_id") else None
+        if pending is None:
+            return
+        if isinstance(event, HeadersReceived):
+            if not pending.headers.done():
+                pending.headers.set_result(event.headers)
+        elif isinstance(event, DataReceived):
+            pending.chunks.put_nowait(event.data)
+        if getattr(event, "stream_ended", False):
+            pending.chunks.put_nowait(None)
+            self.pending.pop(event.stream_id, None)
+
+    def _fail(self, stream_id: int, error: StreamError) -> None:
+        pending = self.pending.pop(stream_id, None)
+        if pending is None:
+            return
+        if not pending.headers.done():
+            pending.headers.set_exception(error)
+        pending.chunks.put_nowait(error)
+
+
+def client_configuration(
+    verify: bool | str = True, server_name: str | None = None
+) -> QuicConfiguration:
+    """`verify`: True (system CAs), False (accept any certificate) or a CA/cert file path."""
+    configuration = QuicConfiguration(
+        is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
+    )
+    if verify is False:
+        configuration.verify_mode = ssl.CERT_NONE
+    elif isinstance(verify, str):
+        configuration.load_verify_locations(verify)
+    configuration.server_name = server_name
+    return configuration
+
+
+class Http3Client:
+    """`async with Http3Client(host, port) as client: response = await client.request(...)`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        verify: bool | str = True,
+        scheduler: str = "rr",
+        server_name: str | None = None,
+    ) -> None:
+        self.host, self.port = host, port
+        self.authority = f"{host}:{port}"
+        self._configuration = client_configuration(verify, server_name or host)
+        self._scheduler = scheduler
+        self._context: Any = None
+        self._protocol: _ClientProtocol | None = None
+
+    async def __aenter__(self) -> Http3Client:
+        def create_protocol(connection: Any, **kwargs: Any) -> _ClientProtocol:
+            return _ClientProtocol(connection, scheduler=self._scheduler, **kwargs)
+
+        self._context = connect(
+            self.host,
+            self.port,
+            configuration=self._configuration,
+            create_protocol=create_protocol,
+            wait_connected=True,
+        )
+        self._protocol = await self._context.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._context is not None:
+            await self._context.__aexit__(None, None, None)
+            self._context = None
+
+    @property
+    def closed(self) -> StreamError | None:
+        """Why the connection closed, once it has."""
+        return self._protocol.closed if self._protocol is not None else None
+
+    @property
+    def is_open(self) -> bool:
+        return self._protocol is not None and self._protocol.closed is None
+
+    @property
+    def protocol(self) -> _ClientProtocol:
+        if self._protocol is None:
+            raise RuntimeError("Http3Client is not connected; use `async with`")
+        if self._protocol.closed is not None:
+            raise self._protocol.closed
+        return self._protocol
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        spec: StreamSpec | None = None,
+    ) -> Response:
+        """Send a request on a new stream and wait for the response headers.
+        `spec` tags the stream for this connection's scheduler."""
+        protocol = self.protocol
+        quic = protocol.quic
+        stream_id = quic.get_next_available_stream_id()
+        if spec is not None:
+            quic.set_stream_spec(stream_id, spec)
+        pending = _Pending(asyncio.get_running_loop().create_future())
+        protocol.pending[stream_id] = pending
+        fields = [
+            (b":method", method.encode()),
+            (b":scheme", b"https"),
+            (b":authority", self.authority.encode()),
+            (b":path", path.encode()),
+        ] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        protocol.h3.send_headers(stream_id, fields, end_stream=not body)
+        if body:
+            protocol.h3.send_data(stream_id, body, end_stream=True)
+        protocol.transmit_soon()
+        try:
+            raw = await pending.headers
+        except asyncio.CancelledError:
+            self._cancel(stream_id)
+            raise
+        named = {k.decode(): v.decode() for k, v in raw}
+        status = int(named.pop(":status", "0"))
+        return Response(stream_id, status, named, self, pending.chunks)
+
+    def _cancel(self, stream_id: int) -> None:
+        protocol = self._protocol
+        if protocol is None or protocol.closed is not None:
+            return
+        protocol.pending.pop(stream_id, None)
+        with suppress(ValueError):  # the stream already finished
+            protocol.quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            protocol.quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        protocol.transmit_soon()
+
+
+@dataclass
+class ChatResult:
+    text: str
+    model: str | None
+    replica: str | None
+    status: int
+    ttft_s: float | None
+    itl_s: list[float]
+    usage: dict[str, int] | None = None
+    error: str | None = None
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+
+
+async def stream_chat(
+    client: Http3Client,
+    messages: list[dict[str, str]],
+    *,
+    model: str = "auto",
+    max_tokens: int = 64,
+    headers: Mapping[str, str] | None = None,
+    on_token: Callable[[str], None] | None = None,
+    spec: StreamSpec | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> ChatResult:
+    """One streamed chat completion; TTFT and inter-token gaps are taken at the client."""
+    loop = asyncio.get_running_loop()
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
+    start = loop.time()
+    response = await client.request(
+        "POST",
+        "/v1/chat/completions",
+        {"content-type": "application/json", **(headers or {})},
+        json.dumps(body).encode(),
+        spec,
+    )
+    result = ChatResult("", response.headers.get("x-model"), response.headers.get("x-replica"),
+                        response.status, None, [])  # fmt: skip
+    if response.status != 200:
+        payload = (await response.read()).decode(errors="replace")
+        result.error = _error_message(payload)
+        return result
+    last: float | None = None
+    try:
+        async for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                result.error = event["error"].get("message", str(event["error"]))
+                continue
+            if event.get("usage"):
+                result.usage = event["usage"]
+            for choice in event.get("choices", []):
+                token = choice.get("delta", {}).get("content") or ""
+                if not token:
+                    continue
+                now = loop.time()
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                result.text += token
+                if on_token is not None:
+                    on_token(token)
+    except StreamError as exc:
+        result.error = str(exc)
+    finally:
+        response.close()
+    return result
+
+
+def _error_message(payload: str) -> str:
+    with suppress(ValueError, AttributeError, TypeError):
+        return json.loads(payload)["error"]["message"]
+    return payload
+
+
+def split_url(url: str) -> tuple[str, int]:
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    return parts.hostname or "localhost", parts.port or 443
+
+
+async def _chat_cli(args: Any) -> int:
+    import sys
+
+    host, port = split_url(args.url)
+    headers = {}
+    if args.api_key:
+        headers["authorization"] = f"Bearer {args.api_key}"
+    if args.qos_class:
+        headers["x-qos-class"] = args.qos_class
+    verify: bool | str = args.cacert or not args.insecure
+    async with Http3Client(host, port, verify=verify) as client:
+        result = await stream_chat(
+            client,
+            [{"role": "user", "content": args.prompt}],
+            model=args.model,
+            max_tokens=args.max_tokens,
+            headers=headers,
+            on_token=lambda token: print(token, end="", flush=True),
+        )
+    print()
+    if result.error:
+        print(f"error ({result.status}): {result.error}", file=sys.stderr)
+    ttft = f"{result.ttft_s * 1000:.1f} ms" if result.ttft_s is not None else "-"
+    itl = f"{result.mean_itl_s * 1000:.1f} ms" if result.mean_itl_s is not None else "-"
+    tokens = result.usage.get("completion_tokens") if result.usage else len(result.itl_s) + 1
+    print(
+        f"model {result.model} on {result.replica} | TTFT {ttft} | mean ITL {itl} | "
+        f"{tokens} tokens",
+        file=sys.stderr,
+    )
+    return 0 if result.error is None else 1
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m transport.client", description="Stream one chat completion over HTTP/3."
+    )
+    parser.add_argument("prompt")
+    parser.add_argument("--url", default="https://localhost:8443")
+    parser.add_argument("--model", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--qos-class", help="ask for a class (x-qos-class)")
+    parser.add_argument("--api-key", help="a key whose tier grants the class")
+    parser.add_argument("--cacert", help="trust this certificate (the server's .certs/cert.pem)")
+    parser.add_argument(
+        "--insecure", action="store_true", help="accept any certificate (self-signed servers)"
+    )
+    return asyncio.run(_chat_cli(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""A QuicConnection whose stream service order comes from a `transport.schedulers.Scheduler`.
+
+aioquic builds each packet in `QuicConnection._write_application()`, with one pass over
+`self._streams_queue`: each stream in turn fills what it can. Afterwards the streams that sent are
+moved to the tail, collected in a set, so aioquic's own order is round-robin and varies from run to
+run. We turn `_streams_queue` into a property (FACTS: the clean hook, unchanged from aioquic 1.0 to
+1.7.2) rather than copy `_write_application`, whose copies break silently across versions:
+- the getter hands out a view whose iteration pops streams from the scheduler, in its order;
+- `append` on that view (aioquic calls it when a stream is created) adds the stream;
+- the setter, which aioquic calls after every packet with the streams it keeps, tells the
+  scheduler which streams sent how much and which were discarded.
+
+Streams the scheduler does not own go first: unidirectional streams (the HTTP/3 control and QPACK
+streams, small and needed by every request) and streams with a reset or STOP_SENDING to write.
+
+Deadlines: before every batch of packets, streams whose hard deadline has passed are reset with
+`H3_REQUEST_CANCELLED`, and a `StreamExpired` event tells the application, which then cancels the
+work behind the stream. It runs the same on the client side (requests) and on the server side
+(responses). Time is whatever `now` aioquic is given, so tests run it in virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.h3.connection import ErrorCode
+from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
+from aioquic.quic.events import QuicEvent
+from aioquic.quic.stream import QuicStream
+
+from transport.schedulers import Scheduler, StreamSpec, make_scheduler
+
+EXPIRED_ERROR = ErrorCode.H3_REQUEST_CANCELLED
+"""The HTTP/3 error code of a stream dropped at its deadline (RFC 9114 8.1: the request was
+cancelled, none of it was processed further)."""
+
+
+@dataclass
+class StreamExpired(QuicEvent):
+    """A stream passed its hard deadline; the connection has reset it."""
+
+    stream_id: int
+
+
+class ScheduledQuicConnection(QuicConnection):
+    def __init__(self, *args: Any, scheduler: Scheduler | str = "rr", **kwargs: Any) -> None:
+        self._init_scheduling(scheduler)
+        super().__init__(*args, **kwargs)
+
+    def _init_scheduling(self, scheduler: Scheduler | str) -> None:
+        self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
+        self._owned: dict[int, QuicStream] = {}  # the streams the scheduler orders
+        self._unscheduled: dict[int, QuicStream] = {}  # unidirectional: always first
+        self._specs: dict[int, StreamSpec] = {}
+        self._round: dict[int, _Served] = {}  # what the packet being built was offered
+        self._round_open = False
+        self._kept: set[int] = set()
+        self._queue_view = _QueueView(self)
+        self._now = 0.0
+
+    # -- the hook --------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def _streams_queue(self) -> _QueueView:
+        return self._queue_view
+
+    @_streams_queue.setter
+    def _streams_queue(self, kept: list[QuicStream]) -> None:
+        # aioquic assigns the streams it keeps that did not send, then extend()s with those that
+        # did; the round is settled in _settle_round once both have arrived.
+        if "_queue_view" not in self.__dict__:
+            return  # QuicConnection.__init__ assigns [] before adopt() has run
+        self._kept = {stream.stream_id for stream in kept}
+
+    def _settle_round(self, sent: list[QuicStream]) -> None:
+        kept = self._kept | {stream.stream_id for stream in sent}
+        for stream_id, served in self._round.items():
+            if served.popped and stream_id in kept:
+                sent_bytes = served.stream.sender.highest_offset - served.start
+                self.scheduler.requeue(stream_id, sent_bytes, self._now)
+            elif stream_id not in kept:  # aioquic discarded it: finished
+                self._unscheduled.pop(stream_id, None)
+                self._owned.pop(stream_id, None)
+                self._specs.pop(stream_id, None)
+                self.scheduler.remove(stream_id)
+        self._round = {}
+        self._round_open = False
+        self._kept = set()
+
+    def _adopt(self, stream: QuicStream) -> None:
+        if stream_is_unidirectional(stream.stream_id):
+            self._unscheduled[stream.stream_id] = stream
+            return
+        self._owned[stream.stream_id] = stream
+        self.scheduler.add(stream.stream_id, self._specs.get(stream.stream_id, StreamSpec()))
+
+    def _service_order(self) -> Iterator[QuicStream]:
+        if self._round_open:
+            # aioquic's `finally` walks the queue a second time, after the packet is built, to
+            # decide what it keeps: show it this round's streams, not a new round.
+            yield from [served.stream for served in self._round.values()]
+            return
+        self._round_open = True
+        # Control streams, and control frames and discards, are not bandwidth: they go first
+        # whatever the order (a stream reset at its deadline has left the scheduler).
+        first = list(self._unscheduled.values()) + [
+            s
+            for s in self._owned.values()
+            if s.sender.reset_pending or s.receiver.stop_pending or s.is_finished
+        ]
+        for stream in first:
+            self._round[stream.stream_id] = _Served(stream, stream.sender.highest_offset)
+            yield stream
+        while (stream_id := self.scheduler.pop(self._now)) is not None:
+            if stream_id in self._round:
+                self._round[stream_id].popped = True
+                continue
+            stream = self._owned[stream_id]
+            start = stream.sender.highest_offset
+            self._round[stream_id] = _Served(stream, start, popped=True)
+            had_data = not stream.is_blocked and not stream.sender.buffer_is_empty
+            next_offset = stream.sender.next_offset
+            yield stream
+            if had_data and (stream.sender.highest_offset, stream.sender.next_offset) == (
+                start,
+                next_offset,
+            ):
+                # It had bytes and the packet took none: the packet (or the connection's flow
+                # control) is full. The streams not yet popped keep their places untouched, so
+                # a packet costs O(streams served), not O(streams).
+                return
+
+    # -- the application's side ------------------------------------------------------------
+
+    def set_stream_spec(self, stream_id: int, spec: StreamSpec) -> None:
+        """Tag a stream with its class's priority and deadline. A server learns the class from
+        the request headers, after the stream exists; a client tags a stream before it sends."""
+        self._specs[stream_id] = spec
+        if stream_id in self.scheduler:
+            self.scheduler.update(stream_id, spec)
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
+        self._expire(now)
+        return super().datagrams_to_send(now)
+
+    def handle_timer(self, now: float) -> None:
+        # get_timer() asks to wake at the next deadline, so expiry happens here, where the
+        # caller processes the events next, and not only when a packet is due anyway.
+        self._expire(now)
+        super().handle_timer(now)
+
+    def _expire(self, now: float) -> None:
+        self._now = now
+        for stream_id in self.scheduler.expired(now):
+            if stream_id not in self._owned:
+                continue
+            stream = self._owned[stream_id]
+            if not stream.sender.is_finished:
+                self.reset_stream(stream_id, EXPIRED_ERROR)
+            if not stream.receiver.is_finished:
+                self.stop_stream(stream_id, EXPIRED_ERROR)
+            self._events.append(StreamExpired(stream_id=stream_id))
+
+    def get_timer(self) -> float | None:
+        timer = super().get_timer()
+        deadline = self.scheduler.next_deadline()
+        if deadline is not None and (timer is None or deadline < timer):
+            return deadline
+        return timer
+
+
+@dataclass
+class _Served:
+    stream: QuicStream
+    start: int  # the stream's highest sent offset before this packet
+    popped: bool = False
+
+
+class _QueueView:
+    """What `_streams_queue` returns: iterates in the scheduler's order; `append` adopts."""
+
+    def __init__(self, connection: ScheduledQuicConnection) -> None:
+        self._connection = connection
+
+    def __iter__(self) -> Iterator[QuicStream]:
+        return self._connection._service_order()
+
+    def append(self, stream: QuicStream) -> None:
+        self._connection._adopt(stream)
+
+    def extend(self, sent: list[QuicStream]) -> None:
+        self._connection._settle_round(sent)
+
+
+def adopt(connection: QuicConnection, scheduler: Scheduler | str) -> ScheduledQuicConnection:
+    """Turn a freshly made QuicConnection into a ScheduledQuicConnection.
+
+    aioquic's server makes its connections by the module-global name `QuicConnection` (FACTS), so
+    the only ways in are this, patching that global for every server in the process, or a copy of
+    its 150-line datagram router. The connection has processed nothing yet, so swapping its class
+    and moving its (empty) stream queue over is safe."""
+    if connection._streams:
+        raise ValueError("adopt() needs a connection that has no streams yet")
+    del connection.__dict__["_streams_queue"]
+    connection.__class__ = ScheduledQuicConnection
+    assert isinstance(connection, ScheduledQuicConnection)
+    connection._init_scheduling(scheduler)
+    return connection
+
+
+class CoalescingProtocol(QuicConnectionProtocol):
+    """`transmit_soon()` sends once per event-loop pass, however many writes asked for it.
+
+    Every `transmit()` builds packets, and building one walks every stream of the connection, so
+    transmitting after each of a thousand small writes costs a thousand walks where one does."""
+
+    _transmit_pending = False
+
+    def transmit_soon(self) -> None:
+        if not self._transmit_pending:
+            self._transmit_pending = True
+            self._loop.call_soon(self._transmit_now)
+
+    def _transmit_now(self) -> None:
+        self._transmit_pending = False
+        self.transmit()

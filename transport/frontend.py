@@ -1,0 +1,227 @@
+"""The edge front-end (seed 004, Figure 2): `python -m transport.frontend --backend URL`.
+
+It accepts client HTTP/3 and HTTP/1.1 and forwards every request as a stream over one long-lived
+QUIC connection to the back-end. Each forwarded stream is tagged with its QoS class's priority and
+deadline, so on that shared connection the stream scheduler decides whose bytes go first, in both
+directions: this side orders the requests, the back-end orders the responses. The back-end
+classifies each request again from the same headers; it trusts no tag of ours.
+
+A client that goes away resets its forwarded stream, which the back-end sees as a disconnect and
+turns into an engine abort. A back-end that is unreachable gets the client a 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any
+
+from transport.client import Http3Client, Response, StreamError
+from transport.http3 import Classify
+
+logger = logging.getLogger(__name__)
+
+# RFC 9110 7.6.1: meaningful for one hop only; HTTP/3 forbids most of them outright.
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "host",
+}
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class BackendPool:
+    """One QUIC connection to the back-end, opened on first use and again after it closes."""
+
+    def __init__(self, host: str, port: int, verify: bool | str, scheduler: str) -> None:
+        self.host, self.port = host, port
+        self._verify = verify
+        self._scheduler = scheduler
+        self._client: Http3Client | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> Http3Client:
+        async with self._lock:
+            if self._client is None or not self._client.is_open:
+                if self._client is not None:
+                    await self._client.__aexit__(None, None, None)
+                client = Http3Client(
+                    self.host, self.port, verify=self._verify, scheduler=self._scheduler
+                )
+                await asyncio.wait_for(client.__aenter__(), timeout=10)
+                self._client = client
+            return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.__aexit__(None, None, None)
+            self._client = None
+
+
+class EdgeProxy:
+    """The ASGI app of the edge: forwards everything to the back-end."""
+
+    def __init__(self, pool: BackendPool, classify: Classify) -> None:
+        self.pool = pool
+        self.classify = classify
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._forward(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.pool.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name.decode("latin-1").lower() not in HOP_BY_HOP
+        }
+        if scope.get("client"):
+            headers["x-forwarded-for"] = str(scope["client"][0])
+        path = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            path += b"?" + scope["query_string"]
+        now = asyncio.get_running_loop().time()
+        try:
+            client = await self.pool.get()
+            response = await client.request(
+                scope["method"], path.decode("latin-1"), headers, body, self.classify(headers, now)
+            )
+        except (OSError, TimeoutError, StreamError, ConnectionError) as exc:
+            logger.warning("back-end %s:%d unreachable: %s", self.pool.host, self.pool.port, exc)
+            await _bad_gateway(send, f"The back-end is unreachable: {exc or type(exc).__name__}")
+            return
+        await self._relay(response, receive, send)
+
+    async def _relay(self, response: Response, receive: Receive, send: Send) -> None:
+        headers = [
+            (name.encode(), value.encode())
+            for name, value in response.headers.items()
+            if name not in HOP_BY_HOP and name != "content-length"
+        ]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(client_gone())
+        try:
+            async for chunk in response.iter_bytes():
+                if watcher.done():
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except StreamError as exc:
+            # The response had begun: all we can do is end it visibly. HTTP/1.1 chunked and
+            # HTTP/3 both carry the truncation to the client as an error, not a clean end.
+            logger.warning("back-end stream %d failed: %s", response.stream_id, exc)
+            raise
+        finally:
+            watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await watcher
+            response.close()
+
+
+async def _bad_gateway(send: Send, message: str) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 502,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def main() -> int:
+    import argparse
+    import sys
+    from functools import partial
+    from pathlib import Path
+
+    from config import DEFAULT_PATH, ConfigError, load_deployment
+    from transport.client import split_url
+    from transport.http3 import Http3Settings
+    from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+    from transport.qos import QosClassifier
+    from transport.schedulers import SCHEDULERS
+    from transport.server import DualServer, Listen, serve_forever
+    from transport.tls import ensure_certificate
+
+    parser = argparse.ArgumentParser(prog="python -m transport.frontend", description=__doc__)
+    parser.add_argument("--backend", default="https://localhost:8443", help="its HTTP/3 URL")
+    parser.add_argument("--config", default=str(DEFAULT_PATH), help="models.yaml (QoS classes)")
+    parser.add_argument("--deployment", help="whose classes and keys to use")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001, help="HTTP/1.1 (TCP); 0: off")
+    parser.add_argument("--h3-port", type=int, default=8444, help="HTTP/3 (UDP); 0: off")
+    parser.add_argument("--scheduler", default="ml", choices=sorted(SCHEDULERS))
+    parser.add_argument("--cert", help="TLS certificate for clients; default: self-signed")
+    parser.add_argument("--key")
+    parser.add_argument("--backend-cacert", help="trust this certificate for the back-end")
+    parser.add_argument(
+        "--backend-insecure", action="store_true", help="accept any back-end certificate"
+    )
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        deployment = load_deployment(args.config, args.deployment)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
+    classifier = QosClassifier(
+        deployment.qos_classes, deployment.tiers, deployment.api_keys, deployment.anonymous_tier
+    )
+    host, port = split_url(args.backend)
+    verify: bool | str = args.backend_cacert or not args.backend_insecure
+    proxy = EdgeProxy(BackendPool(host, port, verify, args.scheduler), classifier.stream_spec)
+    settings = Http3Settings(
+        certfile=str(cert), keyfile=str(key), scheduler=args.scheduler,
+        classify=partial(classifier.stream_spec, soft_deadlines=True),
+    )  # fmt: skip
+    app = BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES)
+    listen = Listen(args.host, args.port or None, args.h3_port or None)
+    asyncio.run(serve_forever(DualServer(app, listen, settings, log_level=args.log_level)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""Serve any ASGI app over HTTP/3 on aioquic, one request per bidirectional stream.
+
+Why not hypercorn: it hard-codes its QUIC configuration (no datagrams) and creates its
+QuicConnection by a module-global name, so neither Eloquent's datagrams nor the stream scheduler
+could be plugged in (FACTS). aioquic's example server has no backpressure, lifespan or disconnect
+handling. This module adds exactly those:
+- backpressure: `send()` of a response body waits while the stream holds more than
+  `high_water` unacknowledged bytes, so a slow reader never makes us buffer without bound; the
+  request body is capped at `max_body_bytes` (413) and the per-connection stream count at
+  `max_streams` (QUIC's own MAX_STREAMS);
+- lifespan: `Lifespan` runs the app's startup and shutdown, once, whoever serves it;
+- disconnects: a stream reset by the client, a stream dropped at its deadline by the scheduler,
+  or a closed connection turns into `http.disconnect` on the app's `receive()`.
+Each stream is tagged for the connection's scheduler by `classify(headers, now)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from aioquic.asyncio import serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.exceptions import H3Error
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+
+from transport.connection import (
+    CoalescingProtocol,
+    ScheduledQuicConnection,
+    StreamExpired,
+    adopt,
+)
+from transport.limits import DEFAULT_MAX_BODY_BYTES
+from transport.schedulers import StreamSpec
+
+logger = logging.getLogger(__name__)
+
+ASGIApp = Callable[..., Any]
+Classify = Callable[[Mapping[str, str], float], StreamSpec]
+"""Headers (lower-case names) and the arrival time -> the stream's scheduling tag."""
+
+SERVER_HEADER = b"qos-llm-serving"
+
+
+@dataclass
+class Http3Settings:
+    certfile: str
+    keyfile: str
+    scheduler: str = "rr"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_streams: int = 128
+    """Concurrent request streams per connection; QUIC's MAX_STREAMS holds the client to it."""
+    high_water: int = 256 * 1024
+    """Unacknowledged response bytes per stream past which the app's send() waits."""
+    idle_timeout: float = 60.0
+    max_datagram_frame_size: int | None = 65536
+    classify: Classify | None = None
+
+    def quic_configuration(self) -> QuicConfiguration:
+        configuration = QuicConfiguration(
+            is_client=False,
+            alpn_protocols=H3_ALPN,
+            idle_timeout=self.idle_timeout,
+            max_datagram_frame_size=self.max_datagram_frame_size,
+        )
+        configuration.load_cert_chain(self.certfile, self.keyfile)
+        return configuration
+
+
+class Lifespan:
+    """The ASGI lifespan protocol, run once for an app that several servers share."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+        self._receive: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    async def startup(self) -> None:
+        self._task = asyncio.create_task(self._run())
+        await self._receive.put({"type": "lifespan.startup"})
+        message = await self._sent.get()
+        if message["type"] == "lifespan.startup.failed":
+            raise RuntimeError(f"application startup failed: {message.get('message', '')}")
+
+    async def shutdown(self) -> None:
+        if self._task is None or self._task.done():
+            return
+        await self._receive.put({"type": "lifespan.shutdown"})
+        await self._sent.get()
+        await self._task
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}}
+        try:
+            await self._app(scope, self._receive.get, self._sent.put)
+        except Exception as exc:  # an app without lifespan support may raise; startup says so
+            await self._sent.put({"type": "lifespan.startup.failed", "message": repr(exc)})
+
+
+class Http3Server:
+    """Serves `app` on UDP `host:port`. The caller runs the app's `Lifespan`."""
+
+    def __init__(self, app: ASGIApp, settings: Http3Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self._server: QuicServer | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        def create_protocol(connection: Any, **kwargs: Any) -> _Http3Protocol:
+            return _Http3Protocol(adopt(connection, self.settings.scheduler), self, **kwargs)
+
+        self._server = await serve(
+            host, port, configuration=self.settings.quic_configuration(),
+            create_protocol=create_protocol,
+        )  # fmt: skip
+        self.port = self._server._transport.get_extra_info("sockname")[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+
+class _Http3Protocol(CoalescingProtocol):
+    def __init__(self, quic: ScheduledQuicConnection, server: Http3Server, **kwargs: Any) -> None:
+        super().__init__(quic, **kwargs)
+        self._server = server
+        self._settings = server.settings
+        self._h3: H3Connection | None = None
+        self._requests: dict[int, _RequestStream] = {}
+        # aioquic has no setting for it; the Limit object has been there since 1.0.
+        quic._local_max_streams_bidi.value = self._settings.max_streams
+
+    @property
+    def quic(self) -> ScheduledQuicConnection:
+        return self._quic  # type: ignore[return-value]
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ProtocolNegotiated):
+            if event.alpn_protocol in H3_ALPN:
+                self._h3 = H3Connection(self._quic, enable_webtransport=True)
+        elif isinstance(event, StreamReset | StreamExpired):
+            request = self._requests.pop(event.stream_id, None)
+            if request is not None:
+                request.disconnect()
+        elif isinstance(event, ConnectionTerminated):
+            for request in self._requests.values():
+                request.disconnect()
+            self._requests.clear()
+        if self._h3 is not None:
+            try:
+                h3_events = self._h3.handle_event(event)
+            except H3Error as exc:  # aioquic closes the connection itself; nothing to answer
+                logger.info("HTTP/3 error from %s: %s", self._peer(), exc)
+                return
+            for h3_event in h3_events:
+                self._h3_event_received(h3_event)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        # ACKs may have drained response buffers: wake the writers waiting on them.
+        for request in self._requests.values():
+            request.wake_writer()
+
+    def _h3_event_received(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            if event.stream_id in self._requests:
+                return  # trailers: ignored
+            self._start_request(event)
+        elif isinstance(event, DataReceived):
+            request = self._requests.get(event.stream_id)
+            if request is not None:
+                request.body_received(event.data, event.stream_ended)
+
+    def _start_request(self, event: HeadersReceived) -> None:
+        pseudo: dict[bytes, bytes] = {}
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in event.headers:
+            if name.startswith(b":"):
+                pseudo[name] = value
+            else:
+                headers.append((name, value))
+        if b":authority" in pseudo:
+            headers.insert(0, (b"host", pseudo[b":authority"]))
+        raw_path, _, query = pseudo.get(b":path", b"/").partition(b"?")
+        now = self._loop.time()
+        if self._settings.classify is not None:
+            named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+            self.quic.set_stream_spec(event.stream_id, self._settings.classify(named, now))
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "3",
+            "method": pseudo.get(b":method", b"GET").decode("latin-1"),
+            "scheme": "https",
+            "path": unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": self._peer(),
+            "server": self._transport.get_extra_info("sockname")[:2],
+            "extensions": {},
+        }
+        request = _RequestStream(self, event.stream_id, scope)
+        self._requests[event.stream_id] = request
+        if event.stream_ended:
+            request.body_received(b"", True)
+        request.task = asyncio.ensure_future(request.run(self._server.app))
+
+    def _peer(self) -> tuple[str, int]:
+        peer = self._transport.get_extra_info("peername") if self._transport else None
+        if peer is None:  # a server's socket is unconnected: the connection knows the path
+            addr = self._quic._network_paths[0].addr if self._quic._network_paths else ("", 0)
+            return (str(addr[0]), int(addr[1]))
+        return (str(peer[0]), int(peer[1]))
+
+    def request_finished(self, stream_id: int) -> None:
+        self._requests.pop(stream_id, None)
+
+    @property
+    def h3(self) -> H3Connection:
+        assert self._h3 is not None
+        return self._h3
+
+
+@dataclass
+class _RequestStream:
+    protocol: _Http3Protocol
+    stream_id: int
+    scope: dict[str, Any]
+    task: asyncio.Future[None] | None = None
+    _body: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    _body_bytes: int = 0
+    _disconnected: bool = False
+    _started: bool = False
+    _finished: bool = False
+    _response: tuple[int, list[tuple[bytes, bytes]]] | None = None
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self, app: ASGIApp) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+        except Exception:
+            logger.exception("ASGI app failed on stream %d", self.stream_id)
+            if not self._started:
+                await self._respond_plain(500, b"Internal Server Error")
+            elif not self._finished:
+                self._reset(ErrorCode.H3_INTERNAL_ERROR)
+        finally:
+            if not self._finished and not self._disconnected and self._started:
+                # The app returned without finishing its body: end it rather than hang.
+                self._write(b"", end_stream=True)
+            self.protocol.request_finished(self.stream_id)
+
+    def body_received(self, data: bytes, ended: bool) -> None:
+        if self._disconnected:
+            return
+        self._body_bytes += len(data)
+        if self._body_bytes > self.protocol._settings.max_body_bytes:
+            self._refuse_body()
+            return
+        self._body.put_nowait({"type": "http.request", "body": data, "more_body": not ended})
+
+    def _refuse_body(self) -> None:
+        if self._disconnected or self._finished:
+            return
+        limit = self.protocol._settings.max_body_bytes
+        message = (
+            b'{"error":{"message":"Request body is larger than '
+            + str(limit).encode()
+            + b' bytes.","type":"invalid_request_error","param":null,"code":"body_too_large"}}'
+        )
+        if not self._started:
+            self._send_headers(413, [(b"content-type", b"application/json")])
+            self._write(message, end_stream=True)
+        self._stop_reading()
+        self.disconnect()
+
+    def _stop_reading(self) -> None:
+        with contextlib.suppress(ValueError):  # already finished
+            self.protocol.quic.stop_stream(self.stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.protocol.transmit_soon()
+
+    def disconnect(self) -> None:
+        self._disconnected = True
+        self._body.put_nowait({"type": "http.disconnect"})
+        self._drained.set()
+
+    def wake_writer(self) -> None:
+        if self._buffered() <= self.protocol._settings.high_water // 2:
+            self._drained.set()
+
+    async def receive(self) -> dict[str, Any]:
+        if self._disconnected and self._body.empty():
+            return {"type": "http.disconnect"}
+        return await self._body.get()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self._disconnected or self._finished:
+            return  # as uvicorn: the app learns of the disconnect from receive()
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._response = (int(message["status"]), list(message.get("headers", [])))
+        elif kind == "http.response.body":
+            if not self._started:
+                assert self._response is not None, "http.response.body before start"
+                self._send_headers(*self._response)
+            more = bool(message.get("more_body", False))
+            self._write(message.get("body", b""), end_stream=not more)
+            while more and self._buffered() > self.protocol._settings.high_water:
+                self._drained.clear()
+                await self._drained.wait()
+                if self._disconnected:
+                    return
+
+    def _send_headers(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._started = True
+        self.protocol.h3.send_headers(
+            self.stream_id,
+            [(b":status", str(status).encode()), (b"server", SERVER_HEADER)]
+            + [(name.lower(), value) for name, value in headers],
+        )
+
+    def _write(self, data: bytes, end_stream: bool) -> None:
+        try:
+            self.protocol.h3.send_data(self.stream_id, data, end_stream)
+        except (ValueError, AssertionError):  # the stream was reset under us
+            self.disconnect()
+            return
+        self._finished = end_stream
+        self.protocol.transmit_soon()
+
+    async def _respond_plain(self, status: int, body: bytes) -> None:
+        if self._disconnected:
+            return
+        self._send_headers(status, [(b"content-type", b"text/plain")])
+        self._write(body, end_stream=True)
+
+    def _reset(self, code: int) -> None:
+        self._finished = True
+        with contextlib.suppress(ValueError):
+            self.protocol.quic.reset_stream(self.stream_id, code)
+        self.protocol.transmit_soon()
+
+    def _buffered(self) -> int:
+        stream = self.protocol.quic._streams.get(self.stream_id)
+        if stream is None:
+            return 0
+        # aioquic keeps no public count of a stream's unacknowledged bytes.
+        return stream.sender._buffer_stop - stream.sender._buffer_start
