@@ -23,9 +23,7 @@ def build_app(
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it."""
     replicas = ReplicaSet.from_deployment(deployment)
     gateway = Gateway(deployment, replicas, make_policy(deployment, policy), Metrics(replicas))
-    classifier = QosClassifier(
-        deployment.qos_classes, deployment.tiers, deployment.api_keys, deployment.anonymous_tier
-    )
+    classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -120,6 +120,12 @@ def launch(
     return Server(name, process, port, log, health_path, h3_port)
 
 
+def serving_command(config: Path, deployment: str, port: int, *extra: str) -> list[str]:
+    """`python -m serving` for a deployment of the test config."""
+    return [PYTHON, "-m", "serving", "--config", str(config), "--deployment", deployment,
+            "--port", str(port), *extra]  # fmt: skip
+
+
 def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
     """The shipped models.yaml for tests, written where they can point --config at it.
 
@@ -173,19 +179,7 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     embedded_port, embedded_h3 = free_port(), free_udp_port()
     servers["embedded"] = launch(
         "embedded",
-        [
-            PYTHON,
-            "-m",
-            "serving",
-            "--config",
-            str(config),
-            "--deployment",
-            "embedded",
-            "--port",
-            str(embedded_port),
-            "--h3-port",
-            str(embedded_h3),
-        ],
+        serving_command(config, "embedded", embedded_port, "--h3-port", str(embedded_h3)),
         embedded_port,
         "/healthz",
         session_dir,
@@ -225,19 +219,7 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     gateway_port = free_port()
     servers["remote"] = launch(
         "remote",
-        [
-            PYTHON,
-            "-m",
-            "serving",
-            "--config",
-            str(config),
-            "--deployment",
-            "remote_test",
-            "--port",
-            str(gateway_port),
-            "--h3-port",
-            "0",
-        ],
+        serving_command(config, "remote_test", gateway_port, "--h3-port", "0"),
         gateway_port,
         "/v1/models",
         session_dir,

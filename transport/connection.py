@@ -31,7 +31,7 @@ from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent
 from aioquic.quic.stream import QuicStream
 
-from transport.schedulers import Scheduler, StreamSpec, make_scheduler
+from transport.schedulers import DEFAULT_SPEC, Scheduler, StreamSpec, make_scheduler
 
 EXPIRED_ERROR = ErrorCode.H3_REQUEST_CANCELLED
 """The HTTP/3 error code of a stream dropped at its deadline (RFC 9114 8.1: the request was
@@ -54,7 +54,7 @@ class ScheduledQuicConnection(QuicConnection):
         self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
         self._owned: dict[int, QuicStream] = {}  # the streams the scheduler orders
         self._unscheduled: dict[int, QuicStream] = {}  # unidirectional: always first
-        self._specs: dict[int, StreamSpec] = {}
+        self._early_specs: dict[int, StreamSpec] = {}  # tagged before the stream existed
         self._round: dict[int, _Served] = {}  # what the packet being built was offered
         self._round_open = False
         self._kept: set[int] = set()
@@ -84,7 +84,6 @@ class ScheduledQuicConnection(QuicConnection):
             elif stream_id not in kept:  # aioquic discarded it: finished
                 self._unscheduled.pop(stream_id, None)
                 self._owned.pop(stream_id, None)
-                self._specs.pop(stream_id, None)
                 self.scheduler.remove(stream_id)
         self._round = {}
         self._round_open = False
@@ -95,7 +94,7 @@ class ScheduledQuicConnection(QuicConnection):
             self._unscheduled[stream.stream_id] = stream
             return
         self._owned[stream.stream_id] = stream
-        self.scheduler.add(stream.stream_id, self._specs.get(stream.stream_id, StreamSpec()))
+        self.scheduler.add(stream.stream_id, self._early_specs.pop(stream.stream_id, DEFAULT_SPEC))
 
     def _service_order(self) -> Iterator[QuicStream]:
         if self._round_open:
@@ -130,7 +129,9 @@ class ScheduledQuicConnection(QuicConnection):
             ):
                 # It had bytes and the packet took none: the packet (or the connection's flow
                 # control) is full. The streams not yet popped keep their places untouched, so
-                # a packet costs O(streams served), not O(streams).
+                # the scheduler's work per packet is O(streams served), not O(streams). (The
+                # scan for `first` above, like aioquic's own stream-limits pass, still visits
+                # every stream: a few attribute reads each.)
                 return
 
     # -- the application's side ------------------------------------------------------------
@@ -138,9 +139,10 @@ class ScheduledQuicConnection(QuicConnection):
     def set_stream_spec(self, stream_id: int, spec: StreamSpec) -> None:
         """Tag a stream with its class's priority and deadline. A server learns the class from
         the request headers, after the stream exists; a client tags a stream before it sends."""
-        self._specs[stream_id] = spec
         if stream_id in self.scheduler:
             self.scheduler.update(stream_id, spec)
+        elif stream_id not in self._owned:  # not yet created; an expired stream stays untagged
+            self._early_specs[stream_id] = spec
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Any]]:
         self._expire(now)

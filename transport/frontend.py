@@ -169,57 +169,29 @@ async def _bad_gateway(send: Send, message: str) -> None:
 
 def main() -> int:
     import argparse
-    import sys
-    from functools import partial
-    from pathlib import Path
 
-    from config import DEFAULT_PATH, ConfigError, load_deployment
+    from transport.cli import add_server_arguments, prepare
     from transport.client import split_url
-    from transport.http3 import Http3Settings
     from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
     from transport.qos import QosClassifier
-    from transport.schedulers import SCHEDULERS
-    from transport.server import DualServer, Listen, serve_forever
-    from transport.tls import ensure_certificate
+    from transport.server import DualServer, serve_forever
 
     parser = argparse.ArgumentParser(prog="python -m transport.frontend", description=__doc__)
+    add_server_arguments(parser, tcp_port=8001, udp_port=8444)
     parser.add_argument("--backend", default="https://localhost:8443", help="its HTTP/3 URL")
-    parser.add_argument("--config", default=str(DEFAULT_PATH), help="models.yaml (QoS classes)")
-    parser.add_argument("--deployment", help="whose classes and keys to use")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001, help="HTTP/1.1 (TCP); 0: off")
-    parser.add_argument("--h3-port", type=int, default=8444, help="HTTP/3 (UDP); 0: off")
-    parser.add_argument("--scheduler", default="ml", choices=sorted(SCHEDULERS))
-    parser.add_argument("--cert", help="TLS certificate for clients; default: self-signed")
-    parser.add_argument("--key")
     parser.add_argument("--backend-cacert", help="trust this certificate for the back-end")
     parser.add_argument(
         "--backend-insecure", action="store_true", help="accept any back-end certificate"
     )
-    parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        deployment = load_deployment(args.config, args.deployment)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
-    classifier = QosClassifier(
-        deployment.qos_classes, deployment.tiers, deployment.api_keys, deployment.anonymous_tier
-    )
+    setup = prepare(parser, args)
+    classify = QosClassifier.from_deployment(setup.deployment).stream_spec
     host, port = split_url(args.backend)
     verify: bool | str = args.backend_cacert or not args.backend_insecure
-    proxy = EdgeProxy(BackendPool(host, port, verify, args.scheduler), classifier.stream_spec)
-    settings = Http3Settings(
-        certfile=str(cert), keyfile=str(key), scheduler=args.scheduler,
-        classify=partial(classifier.stream_spec, soft_deadlines=True),
-    )  # fmt: skip
+    proxy = EdgeProxy(BackendPool(host, port, verify, setup.scheduler), classify)
     app = BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES)
-    listen = Listen(args.host, args.port or None, args.h3_port or None)
-    asyncio.run(serve_forever(DualServer(app, listen, settings, log_level=args.log_level)))
+    server = DualServer(app, setup.listen, setup.http3(classify), log_level=args.log_level)
+    asyncio.run(serve_forever(server))
     return 0
 
 

@@ -5,9 +5,10 @@ QuicConnection by a module-global name, so neither Eloquent's datagrams nor the 
 could be plugged in (FACTS). aioquic's example server has no backpressure, lifespan or disconnect
 handling. This module adds exactly those:
 - backpressure: `send()` of a response body waits while the stream holds more than
-  `high_water` unacknowledged bytes, so a slow reader never makes us buffer without bound; the
-  request body is capped at `max_body_bytes` (413) and the per-connection stream count at
-  `max_streams` (QUIC's own MAX_STREAMS);
+  `high_water` unacknowledged bytes, so a slow reader never makes us buffer without bound; a
+  request body is buffered up to `max_body_bytes`, past which the stream stops reading (the app's
+  `BodyLimit` answers 413), and the per-connection stream count is held to `max_streams` (QUIC's
+  own MAX_STREAMS);
 - lifespan: `Lifespan` runs the app's startup and shutdown, once, whoever serves it;
 - disconnects: a stream reset by the client, a stream dropped at its deadline by the scheduler,
   or a closed connection turns into `http.disconnect` on the app's `receive()`.
@@ -137,6 +138,7 @@ class _Http3Protocol(CoalescingProtocol):
         self._settings = server.settings
         self._h3: H3Connection | None = None
         self._requests: dict[int, _RequestStream] = {}
+        self.blocked_writers: set[_RequestStream] = set()
         # aioquic has no setting for it; the Limit object has been there since 1.0.
         quic._local_max_streams_bidi.value = self._settings.max_streams
 
@@ -168,7 +170,7 @@ class _Http3Protocol(CoalescingProtocol):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
         # ACKs may have drained response buffers: wake the writers waiting on them.
-        for request in self._requests.values():
+        for request in list(self.blocked_writers):
             request.wake_writer()
 
     def _h3_event_received(self, event: H3Event) -> None:
@@ -233,14 +235,15 @@ class _Http3Protocol(CoalescingProtocol):
         return self._h3
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: it sits in the protocol's set of blocked writers
 class _RequestStream:
     protocol: _Http3Protocol
     stream_id: int
     scope: dict[str, Any]
-    task: asyncio.Future[None] | None = None
+    task: asyncio.Future[None] | None = None  # held: the loop keeps only weak references
     _body: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     _body_bytes: int = 0
+    _overflowed: bool = False
     _disconnected: bool = False
     _started: bool = False
     _finished: bool = False
@@ -253,38 +256,30 @@ class _RequestStream:
         except Exception:
             logger.exception("ASGI app failed on stream %d", self.stream_id)
             if not self._started:
-                await self._respond_plain(500, b"Internal Server Error")
+                self._respond_plain(500, b"Internal Server Error")
             elif not self._finished:
                 self._reset(ErrorCode.H3_INTERNAL_ERROR)
-        finally:
-            if not self._finished and not self._disconnected and self._started:
-                # The app returned without finishing its body: end it rather than hang.
+        else:
+            # An app that returned without finishing its answer must not leave the client hanging.
+            if not self._started:
+                logger.error("ASGI app returned no response on stream %d", self.stream_id)
+                self._respond_plain(500, b"Internal Server Error")
+            elif not self._finished:
                 self._write(b"", end_stream=True)
+        finally:
             self.protocol.request_finished(self.stream_id)
 
     def body_received(self, data: bytes, ended: bool) -> None:
-        if self._disconnected:
+        if self._disconnected or self._overflowed:
             return
         self._body_bytes += len(data)
-        if self._body_bytes > self.protocol._settings.max_body_bytes:
-            self._refuse_body()
-            return
         self._body.put_nowait({"type": "http.request", "body": data, "more_body": not ended})
-
-    def _refuse_body(self) -> None:
-        if self._disconnected or self._finished:
-            return
-        limit = self.protocol._settings.max_body_bytes
-        message = (
-            b'{"error":{"message":"Request body is larger than '
-            + str(limit).encode()
-            + b' bytes.","type":"invalid_request_error","param":null,"code":"body_too_large"}}'
-        )
-        if not self._started:
-            self._send_headers(413, [(b"content-type", b"application/json")])
-            self._write(message, end_stream=True)
-        self._stop_reading()
-        self.disconnect()
+        if self._body_bytes > self.protocol._settings.max_body_bytes:
+            # Buffer no more. The app's own cap (transport.limits.BodyLimit) answers the 413 and
+            # counts it when it reads past its limit; an app without one sees the client leave.
+            self._overflowed = True
+            self._body.put_nowait({"type": "http.disconnect"})
+            self._stop_reading()
 
     def _stop_reading(self) -> None:
         with contextlib.suppress(ValueError):  # already finished
@@ -319,7 +314,11 @@ class _RequestStream:
             self._write(message.get("body", b""), end_stream=not more)
             while more and self._buffered() > self.protocol._settings.high_water:
                 self._drained.clear()
-                await self._drained.wait()
+                self.protocol.blocked_writers.add(self)
+                try:
+                    await self._drained.wait()
+                finally:
+                    self.protocol.blocked_writers.discard(self)
                 if self._disconnected:
                     return
 
@@ -340,7 +339,7 @@ class _RequestStream:
         self._finished = end_stream
         self.protocol.transmit_soon()
 
-    async def _respond_plain(self, status: int, body: bytes) -> None:
+    def _respond_plain(self, status: int, body: bytes) -> None:
         if self._disconnected:
             return
         self._send_headers(status, [(b"content-type", b"text/plain")])

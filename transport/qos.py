@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from config import QosClass, Tier
+from config import Deployment, QosClass, Tier
 from transport.schedulers import StreamSpec
 
 
@@ -50,6 +50,15 @@ class QosClassifier:
         self.tiers = dict(tiers)
         self.api_keys = dict(api_keys)
         self.anonymous_tier = anonymous_tier
+
+    @classmethod
+    def from_deployment(cls, deployment: Deployment) -> QosClassifier:
+        return cls(
+            deployment.qos_classes,
+            deployment.tiers,
+            deployment.api_keys,
+            deployment.anonymous_tier,
+        )
 
     def classify(self, headers: Mapping[str, str]) -> Classification:
         """`headers` with lower-case names."""

@@ -1,0 +1,80 @@
+"""What the two server commands share: `python -m serving` and `python -m transport.frontend`.
+
+Both serve over HTTP/3 and HTTP/1.1 and read the QoS classes of a deployment of models.yaml. Both
+check here what would otherwise fail a minute later, after the engines or the back-end start: a
+bad file, a half-given certificate, a port that is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
+from transport.http3 import Classify, Http3Settings
+from transport.schedulers import SCHEDULERS
+from transport.server import Listen
+from transport.tls import ensure_certificate
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_port: int) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_PATH), help="path to models.yaml")
+    parser.add_argument("--deployment", help="a deployment of models.yaml (default: its default)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=tcp_port, help="HTTP/1.1 (TCP); 0: off")
+    parser.add_argument("--h3-port", type=int, default=udp_port, help="HTTP/3 (UDP); 0: off")
+    parser.add_argument("--cert", help="TLS certificate (PEM); default: a self-signed one")
+    parser.add_argument("--key", help="its private key (PEM)")
+    parser.add_argument(
+        "--scheduler", default="ml", choices=sorted(SCHEDULERS), help="QUIC stream scheduler"
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    deployment: Deployment
+    listen: Listen
+    certfile: str
+    keyfile: str
+    scheduler: str
+
+    def http3(self, classify: Classify, **settings: int) -> Http3Settings:
+        return Http3Settings(
+            self.certfile, self.keyfile, scheduler=self.scheduler, classify=classify, **settings
+        )
+
+
+def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSetup:
+    """Logging, the deployment, the certificate and the ports; exits with status 2 and one line
+    on the first problem."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        deployment = load_deployment(args.config, args.deployment)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    if bool(args.cert) != bool(args.key):
+        parser.exit(2, "error: --cert and --key go together\n")
+    for kind, port in (("tcp", args.port), ("udp", args.h3_port)):
+        if port and (problem := _cannot_listen(args.host, port, kind)):
+            parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
+    cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
+    listen = Listen(args.host, args.port or None, args.h3_port or None)
+    return ServerSetup(deployment, listen, str(cert), str(key), args.scheduler)
+
+
+def _cannot_listen(host: str, port: int, kind: str) -> str | None:
+    try:
+        if kind == "tcp":
+            socket.create_server((host, port)).close()
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.bind((host, port))
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
