@@ -70,6 +70,15 @@ class Deployment:
     def tasks(self) -> list[str]:
         return list(self.quality)
 
+    def reward(self, task: str | None, model: str | None, qos_class: str, slo_met: bool) -> float:
+        """The router's reward for one finished request: the model's quality on the task, scaled by
+        the class's weight, if the SLO was met; else 0. Unknown tasks or models score 0."""
+        if not slo_met or task is None or model is None:
+            return 0.0
+        quality = self.quality.get(task, {}).get(model, 0.0)
+        cls = self.qos_classes.get(qos_class)
+        return quality * (cls.reward_weight if cls is not None else 1.0)
+
 
 def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
     path = Path(path)

@@ -21,6 +21,11 @@ class Slo(Strict):
     tpot_s: PositiveFloat
     """Deadline per output token: (last token time - arrival) / output tokens must not exceed it."""
 
+    def met(self, elapsed_s: float, output_tokens: int) -> bool:
+        """The one SLO test, used by the gateway's metrics, the load generator and the simulator:
+        `elapsed_s` runs from the request's arrival to its last token."""
+        return output_tokens > 0 and elapsed_s <= self.tpot_s * output_tokens
+
 
 class TinyBuild(Strict):
     """Shape of a tiny OPT built locally with random weights."""

@@ -294,8 +294,7 @@ class Generation:
         if self.completion_tokens > 1:
             tpot = (self._last_at - self._first_at) / (self.completion_tokens - 1)
             m.tpot.labels(cls, model).observe(tpot)
-        slo = self.gateway.deployment.slo.tpot_s
-        if self.completion_tokens and (self._last_at - arrival) / self.completion_tokens <= slo:
+        if self.gateway.deployment.slo.met(self._last_at - arrival, self.completion_tokens):
             m.slo_met.labels(cls, model).inc()
 
     async def aclose(self) -> None:

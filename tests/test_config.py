@@ -136,3 +136,15 @@ def test_api_keys_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert load_deployment(ROOT / "models.yaml").api_keys == {}
     monkeypatch.setenv("QOS_PREMIUM_KEY", "s3cret")
     assert load_deployment(ROOT / "models.yaml").api_keys == {"s3cret": "premium"}
+
+
+def test_one_slo_definition_and_the_reward() -> None:
+    dep = load_deployment(name="paper-4gpu")
+    # 40 ms per output token, from arrival to the last token.
+    assert dep.slo.met(elapsed_s=4.0, output_tokens=100)
+    assert not dep.slo.met(elapsed_s=4.01, output_tokens=100)
+    assert not dep.slo.met(elapsed_s=0.0, output_tokens=0)
+    assert dep.reward("hellaswag", "opt-1.3b", "free-tier", slo_met=True) == pytest.approx(0.78)
+    assert dep.reward("hellaswag", "opt-1.3b", "free-tier", slo_met=False) == 0.0
+    assert dep.reward("gsm8k", "opt-1.3b", "free-tier", slo_met=True) == 0.0
+    assert dep.reward(None, None, "free-tier", slo_met=True) == 0.0

@@ -261,6 +261,8 @@ class ChatResult:
     itl_s: list[float]
     usage: dict[str, int] | None = None
     error: str | None = None
+    e2el_s: float | None = None
+    """From sending the request to the end of its stream."""
 
     @property
     def mean_itl_s(self) -> float | None:
@@ -300,32 +302,10 @@ async def stream_chat(
                         response.status, None, [])  # fmt: skip
     if response.status != 200:
         payload = (await response.read()).decode(errors="replace")
-        result.error = _error_message(payload)
+        result.error = error_message(payload)
         return result
-    last: float | None = None
     try:
-        async for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                result.error = event["error"].get("message", str(event["error"]))
-                continue
-            if event.get("usage"):
-                result.usage = event["usage"]
-            for choice in event.get("choices", []):
-                token = choice.get("delta", {}).get("content") or ""
-                if not token:
-                    continue
-                now = loop.time()
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-                result.text += token
-                if on_token is not None:
-                    on_token(token)
+        await read_chat_stream(response.iter_lines(), result, start, on_token)
     except StreamError as exc:
         result.error = str(exc)
     finally:
@@ -333,7 +313,49 @@ async def stream_chat(
     return result
 
 
-def _error_message(payload: str) -> str:
+async def read_chat_stream(
+    lines: AsyncIterator[str],
+    result: ChatResult,
+    start: float,
+    on_token: Callable[[str], None] | None = None,
+) -> None:
+    """Fold a chat-completions SSE stream into `result`, timing each content chunk against
+    `start` (the event loop's clock when the request went out). Any HTTP client's line iterator
+    will do, so every protocol is timed by the same code."""
+    loop = asyncio.get_running_loop()
+    last: float | None = None
+    done = False
+    async for line in lines:
+        if line == "data: [DONE]":
+            done = True
+        if done or not line.startswith("data: "):
+            continue
+        event = json.loads(line[len("data: ") :])
+        if "error" in event:
+            result.error = event["error"].get("message", str(event["error"]))
+            continue
+        if event.get("usage"):
+            result.usage = event["usage"]
+        for choice in event.get("choices", []):
+            token = choice.get("delta", {}).get("content") or ""
+            if not token:
+                continue
+            now = loop.time()
+            if last is None:
+                result.ttft_s = now - start
+            else:
+                result.itl_s.append(now - last)
+            last = now
+            result.text += token
+            if on_token is not None:
+                on_token(token)
+    result.e2el_s = loop.time() - start
+    if not done and result.error is None:
+        result.error = "the stream ended without [DONE]"
+
+
+def error_message(payload: str) -> str:
+    """The message of an OpenAI-shaped error body, or the body itself."""
     with suppress(ValueError, AttributeError, TypeError):
         return json.loads(payload)["error"]["message"]
     return payload

@@ -1,0 +1,104 @@
+"""`python -m workloads.replay` against the real embedded server: every request sent is accounted
+for, over HTTP/3, HTTP/1.1 and through the edge front-end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CERT, PREMIUM_KEY, PYTHON, ROOT, Server, free_port
+
+SHORT = ["--rate", "6", "--num-requests", "12", "--output-tokens", "4:12", "--no-progress"]
+
+
+def replay(out: Path, *args: str, api_key: str | None = None) -> tuple[int, dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "QOS_PREMIUM_KEY"}
+    cmd = [PYTHON, "-m", "workloads.replay", *SHORT, "--out", str(out), *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
+    assert out.exists(), done.stderr[-3000:]
+    return done.returncode, json.loads(out.read_text()), done.stdout
+
+
+def assert_accounted(record: dict, sent: int) -> None:
+    summary = record["summary"]
+    assert summary["sent"] == sent == len(record["requests"])
+    assert summary["completed"] + summary["errored"] == sent
+    assert sum(summary["errors"].values()) == summary["errored"]
+    for r in record["requests"]:
+        if r["error_kind"] is None:
+            assert r["model"] and r["ttft_s"] is not None and r["output_tokens"] >= 1
+            assert r["reward"] == 0.0 or r["slo_met"]
+        else:
+            assert r["error"], r
+
+
+def test_replay_over_http3_counts_refusals_as_errors(server: Server, tmp_path: Path) -> None:
+    # No key: the anonymous tier cannot reach real-time, so those requests come back 403.
+    rc, record, stdout = replay(
+        tmp_path / "h3.json",
+        "--proto", "h3", "--url", f"https://localhost:{server.h3_port}", "--cacert", str(CERT),
+        "--classes", "free-tier=2,real-time=1",
+    )  # fmt: skip
+    assert_accounted(record, 12)
+    real_time = sum(r["qos_class"] == "real-time" for r in record["requests"])
+    assert 0 < real_time < 12
+    assert record["summary"]["errors"] == {"http_403": real_time}
+    assert record["summary"]["completed"] == 12 - real_time
+    assert rc == 1
+    assert "Successful requests:" in stdout and "free-tier" in stdout
+
+
+def test_replay_over_http1_with_sessions_and_a_key(server: Server, tmp_path: Path) -> None:
+    rc, record, _ = replay(
+        tmp_path / "h1.json",
+        "--proto", "h1", "--url", server.url, "--sessions", "--classes", "real-time",
+        api_key=PREMIUM_KEY,
+    )  # fmt: skip
+    assert_accounted(record, 12)
+    assert rc == 0, record["summary"]["errors"]
+    assert record["summary"]["per_class"]["real-time"]["completed"] == 12
+    # The server counts the prompt each turn really sent, and later turns send more.
+    assert sum(r["prompt_tokens"] for r in record["requests"]) > 12 * 20
+
+
+def test_replay_through_the_edge_frontend(frontend: Server, tmp_path: Path) -> None:
+    rc, record, _ = replay(
+        tmp_path / "edge.json",
+        "--proto", "h3", "--url", f"https://localhost:{frontend.h3_port}", "--cacert", str(CERT),
+    )  # fmt: skip
+    assert_accounted(record, 12)
+    assert rc == 0, record["summary"]["errors"]
+
+
+def test_replay_names_an_unreachable_endpoint(tmp_path: Path) -> None:
+    port = free_port()
+    rc, record, _ = replay(
+        tmp_path / "down.json", "--proto", "h1", "--url", f"http://127.0.0.1:{port}"
+    )
+    assert_accounted(record, 12)
+    assert record["summary"]["errors"] == {"connection": 12}
+    assert rc == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--arrivals", "trace", "--trace", "/nonexistent.csv"], "cannot read"),
+        (["--tasks", "gsm8k"], "no prompts for task"),
+        (["--deployment", "nope"], "unknown deployment"),
+        (["--output-tokens", "9:3"], "LO:HI"),
+    ],
+)
+def test_bad_arguments_get_a_clear_message(args: list[str], message: str) -> None:
+    done = subprocess.run(
+        [PYTHON, "-m", "workloads.replay", *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,196 @@
+"""Per-request outcomes of a load run and their summary.
+
+The summary uses `vllm bench serve`'s metric set and definitions, so the two can be compared:
+TTFT (send to first content), TPOT ((E2EL - TTFT) / (output tokens - 1)), ITL (every gap between
+content chunks), E2EL (send to end of stream), each as mean, median, std and p99; request, output
+and total token throughput over the run's duration. On top of them: SLO attainment and goodput per
+QoS class (the SLO is models.yaml's, tested by `Slo.met`), each model's share, and the router's
+reward (quality if the SLO was met, else 0), over the run and over sliding windows of 20 requests
+as in seed 004 Table 2.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WINDOW_THRESHOLDS = (1.0, 0.99, 0.98, 0.96, 0.94)
+"""Seed 004 Table 2's rows: windows whose mean reward is = 1.00, >= 0.99, and so on."""
+
+
+@dataclass
+class Outcome:
+    """What happened to one request. `error_kind` is None exactly when it completed."""
+
+    request_id: str
+    qos_class: str
+    task: str | None
+    arrival_s: float
+    """Scheduled send time, from the start of the run."""
+    lag_s: float = 0.0
+    """How late the generator actually sent it; large values mean the client could not keep up."""
+    status: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    model: str | None = None
+    replica: str | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2el_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    slo_met: bool = False
+    reward: float = 0.0
+
+    @property
+    def completed(self) -> bool:
+        return self.error_kind is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.e2el_s is None or self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _stats(name: str, values: Sequence[float]) -> dict[str, float | None]:
+    """mean/median/std/p99 in milliseconds, as `vllm bench serve` prints them."""
+    if not len(values):
+        return {f"{k}_{name}_ms": None for k in ("mean", "median", "std", "p99")}
+    ms = np.asarray(values, dtype=float) * 1000
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def _latencies(done: Sequence[Outcome]) -> dict[str, float | None]:
+    return {
+        **_stats("ttft", [o.ttft_s for o in done if o.ttft_s is not None]),
+        **_stats("tpot", [t for o in done if (t := o.tpot_s) is not None]),
+        **_stats("itl", [gap for o in done for gap in o.itl_s]),
+        **_stats("e2el", [o.e2el_s for o in done if o.e2el_s is not None]),
+    }
+
+
+def _slo(group: Sequence[Outcome], duration_s: float) -> dict[str, float]:
+    met = sum(o.slo_met for o in group)
+    return {
+        "slo_attainment": met / len(group) if group else 0.0,
+        "goodput": met / duration_s if duration_s > 0 else 0.0,
+        "mean_reward": float(np.mean([o.reward for o in group])) if group else 0.0,
+    }
+
+
+def sliding_means(values: Sequence[float], window: int) -> np.ndarray:
+    """The mean of every run of `window` consecutive values (none if there are fewer)."""
+    if len(values) < window:
+        return np.empty(0)
+    sums = np.cumsum(np.concatenate(([0.0], np.asarray(values, dtype=float))))
+    return (sums[window:] - sums[:-window]) / window
+
+
+def summarize(outcomes: Sequence[Outcome], duration_s: float, window: int = 20) -> dict:
+    """Everything a run reports, as plain JSON-ready data. Every outcome counts: an error scores
+    reward 0 and misses its SLO, so a run cannot look better by failing requests."""
+    ordered = sorted(outcomes, key=lambda o: o.arrival_s)
+    done = [o for o in ordered if o.completed]
+    output = sum(o.output_tokens for o in done)
+    prompt = sum(o.prompt_tokens or 0 for o in done)
+    models = Counter(o.model or "?" for o in done)
+    rewards = sliding_means([o.reward for o in ordered], window)
+    slo_windows = sliding_means([float(o.slo_met) for o in ordered], window)
+    per_class = {}
+    for cls in sorted({o.qos_class for o in ordered}):
+        group = [o for o in ordered if o.qos_class == cls]
+        group_done = [o for o in group if o.completed]
+        per_class[cls] = {
+            "sent": len(group),
+            "completed": len(group_done),
+            **_slo(group, duration_s),
+            **_latencies(group_done),
+        }
+    return {
+        "sent": len(ordered),
+        "completed": len(done),
+        "errored": len(ordered) - len(done),
+        "errors": dict(Counter(o.error_kind for o in ordered if o.error_kind).most_common()),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": output / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (output + prompt) / duration_s if duration_s > 0 else 0.0,
+        "total_output_tokens": output,
+        "total_input_tokens": prompt,
+        **_latencies(done),
+        **_slo(ordered, duration_s),
+        "max_lag_ms": max((o.lag_s for o in ordered), default=0.0) * 1000,
+        "model_share": {m: n / len(done) for m, n in sorted(models.items())},
+        "per_class": per_class,
+        "window": window,
+        "windows": {
+            "mean_reward": rewards.tolist(),
+            "slo_attainment": slo_windows.tolist(),
+            "reward_at_least": {
+                f"{t:.2f}": int((rewards >= t - 1e-9).sum()) for t in WINDOW_THRESHOLDS
+            },
+        },
+    }
+
+
+def format_summary(summary: dict, title: str = "Load run") -> str:
+    """A printed table in `vllm bench serve`'s layout, then the per-class and reward rows."""
+    lines = [f"{f' {title} ':=^60}"]
+
+    def row(label: str, value: object, fmt: str = "{:.2f}") -> None:
+        text = "-" if value is None else fmt.format(value) if isinstance(value, float) else value
+        lines.append(f"{label:<44}{text:>16}")
+
+    row("Requests sent:", summary["sent"])
+    row("Successful requests:", summary["completed"])
+    row("Failed requests:", summary["errored"])
+    for kind, n in summary["errors"].items():
+        row(f"  {kind}:", n)
+    row("Benchmark duration (s):", summary["duration_s"])
+    row("Total input tokens:", summary["total_input_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Request throughput (req/s):", summary["request_throughput"])
+    row("Output token throughput (tok/s):", summary["output_throughput"])
+    row("Total token throughput (tok/s):", summary["total_token_throughput"])
+    row("Request goodput (req/s):", summary["goodput"])
+    row("SLO attainment:", summary["slo_attainment"], "{:.1%}")
+    row("Mean reward:", summary["mean_reward"], "{:.3f}")
+    row("Max send lag (ms):", summary["max_lag_ms"])
+    for metric, name in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
+        lines.append(f"{f' {name} ':-^60}")
+        for stat in ("mean", "median", "p99"):
+            row(f"{stat.capitalize()} {metric.upper()} (ms):", summary[f"{stat}_{metric}_ms"])
+    lines.append(f"{' Per QoS class ':-^60}")
+    lines.append(
+        f"{'class':<12}{'sent':>6}{'done':>6}{'SLO':>8}{'goodput':>9}{'reward':>8}{'p50 TTFT':>11}"
+    )
+    for cls, c in summary["per_class"].items():
+        ttft = c["median_ttft_ms"]
+        lines.append(
+            f"{cls:<12}{c['sent']:>6}{c['completed']:>6}{c['slo_attainment']:>8.1%}"
+            f"{c['goodput']:>9.2f}{c['mean_reward']:>8.3f}"
+            + (f"{ttft:>8.1f} ms" if ttft is not None else f"{'-':>11}")
+        )
+    shares = ", ".join(f"{m} {s:.0%}" for m, s in summary["model_share"].items()) or "-"
+    lines.append(f"Model share: {shares}")
+    counts = summary["windows"]["reward_at_least"]
+    lines.append(
+        f"Windows of {summary['window']} by mean reward: "
+        + ", ".join(f"{'=' if t == '1.00' else '>='}{t}: {n}" for t, n in counts.items())
+    )
+    lines.append("=" * 60)
+    return "\n".join(lines)
