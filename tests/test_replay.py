@@ -63,6 +63,7 @@ def test_replay_over_http1_with_sessions_and_a_key(server: Server, tmp_path: Pat
     assert_accounted(record, 12)
     assert rc == 0, record["summary"]["errors"]
     assert record["summary"]["per_class"]["real-time"]["completed"] == 12
+    assert (tmp_path / "h1.png").stat().st_size > 10_000
     # The server counts the prompt each turn really sent, and later turns send more.
     assert sum(r["prompt_tokens"] for r in record["requests"]) > 12 * 20
 

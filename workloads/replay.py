@@ -3,7 +3,7 @@
 Requests go out at their arrival times whether or not earlier ones have finished, over HTTP/3 (one
 QUIC connection, a stream per request) or HTTP/1.1 (a connection per in-flight request), to the
 server directly or through the edge front-end. Every request ends as one `Outcome`: completed, or
-an error of a named kind; the summary counts both. Results go to JSON and a printed table.
+an error of a named kind; the summary counts both. Results go to JSON, a PNG and a printed table.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from workloads.generate import (
     requests,
 )
 from workloads.metrics import Outcome, format_summary, summarize
+from workloads.plots import plot_run
 from workloads.request import Request
 from workloads.traces import (
     DEFAULT_TRACE_DIR,
@@ -388,9 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "requests": [asdict(o) for o in sorted(outcomes, key=lambda o: o.arrival_s)],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}", file=sys.stderr)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    png = plot_run(record, out.with_suffix(".png"), f"{what} over {args.proto}")
+    print(f"wrote {out} and {png}", file=sys.stderr)
     return 0 if summary["errored"] == 0 else 1
 
 
