@@ -1,0 +1,185 @@
+"""A discrete-event model of the deployment's replicas under continuous batching, in virtual time.
+
+Each replica runs iterations back to back while it has work. An iteration admits every waiting
+request (up to `max_batch`), then costs the profile's decode step for the batch it runs plus the
+prefill of the prompts it admitted, and gives every request in the batch one token: an admitted
+request's first token comes at the end of the iteration that prefilled it, as in vLLM.
+
+Replicas on one device slow each other: an iteration that starts while k other replicas of the
+same device are busy takes (1 + interference × k) times as long. That is the whole co-location
+model, explicit and tunable; on a CPU deployment every replica shares the one "cpu" device.
+
+The SLO test is models.yaml's (`Slo.met`): arrival to last token, per output token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from config import Deployment, Slo
+from config.schema import ProfileModel
+from router.view import ClusterView, ReplicaState
+from workloads import Request
+
+
+@dataclass
+class Finished:
+    """One request's life in the simulator."""
+
+    request: Request
+    replica: int
+    model: str
+    arrival: float
+    first_token: float
+    last_token: float
+    output_tokens: int
+    slo_met: bool
+
+
+@dataclass
+class _Job:
+    request: Request
+    arrival: float
+    remaining: int
+    first_token: float | None = None
+
+
+@dataclass
+class _Replica:
+    name: str
+    model: str
+    device: str
+    profile: ProfileModel
+    waiting: list[_Job] = field(default_factory=list)
+    running: list[_Job] = field(default_factory=list)
+    busy_until: float | None = None
+    """End of the iteration in progress; None while idle."""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+
+def step_time(profile: ProfileModel, batch: int) -> float:
+    """Decode step time at `batch`, linear between the profiled sizes and flat beyond them."""
+    sizes = sorted(profile.step_s)
+    return float(np.interp(batch, sizes, [profile.step_s[b] for b in sizes]))
+
+
+class Simulator:
+    """Replicas of a deployment, fed by `submit` and moved forward by `advance`."""
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[str, str, str]],
+        profiles: dict[str, ProfileModel],
+        slo: Slo,
+        max_batch: int = 256,
+        interference: float = 0.0,
+        default_prompt_tokens: int = 64,
+    ) -> None:
+        """`replicas`: (name, model, device) each; `profiles`: model -> its latency profile."""
+        missing = sorted({m for _, m, _ in replicas} - set(profiles))
+        if missing:
+            raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
+        self.replicas = [_Replica(n, m, d, profiles[m]) for n, m, d in replicas]
+        self.slo = slo
+        self.max_batch = max_batch
+        self.interference = interference
+        self.default_prompt_tokens = default_prompt_tokens
+        self.now = 0.0
+        self._events: list[tuple[float, int, int]] = []  # (time, seq, replica index)
+        self._seq = itertools.count()
+
+    @classmethod
+    def from_deployment(cls, deployment: Deployment, **kwargs: object) -> Simulator:
+        if deployment.profile is None:
+            raise ValueError(f"deployment {deployment.name!r} names no latency profile")
+        replicas = [(r.name, r.model, r.device or r.name) for r in deployment.replicas]
+        return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)  # type: ignore[arg-type]
+
+    def view(self) -> ClusterView:
+        return ClusterView(
+            tuple(ReplicaState(r.name, r.model, r.in_flight, True) for r in self.replicas)
+        )
+
+    def submit(self, request: Request, replica: int) -> None:
+        """Queue `request` at `replica` at the current time (its arrival, for the SLO)."""
+        r = self.replicas[replica]
+        tokens = max(1, request.max_tokens or 1)
+        r.waiting.append(_Job(request, self.now, tokens))
+        if r.busy_until is None:
+            self._start_iteration(replica)
+
+    def advance(self, until: float) -> list[Finished]:
+        """Run every iteration that ends by `until`; return the requests that finished."""
+        finished: list[Finished] = []
+        while self._events and self._events[0][0] <= until:
+            at, _, index = heapq.heappop(self._events)
+            self.now = at
+            finished += self._end_iteration(index)
+        self.now = max(self.now, until)
+        return finished
+
+    def drain(self) -> list[Finished]:
+        """Run until every submitted request has finished."""
+        finished: list[Finished] = []
+        while self._events:
+            finished += self.advance(self._events[0][0])
+        return finished
+
+    def _start_iteration(self, index: int) -> None:
+        r = self.replicas[index]
+        admitted = r.waiting[: max(0, self.max_batch - len(r.running))]
+        del r.waiting[: len(admitted)]
+        r.running += admitted
+        if not r.running:
+            r.busy_until = None
+            return
+        prefill = sum(
+            self.default_prompt_tokens
+            if j.request.prompt_tokens is None
+            else j.request.prompt_tokens
+            for j in admitted
+        )
+        cost = step_time(r.profile, len(r.running)) + prefill * r.profile.prefill_s_per_token
+        others = sum(
+            1 for i, o in enumerate(self.replicas)
+            if i != index and o.device == r.device and o.busy_until is not None
+        )  # fmt: skip
+        r.busy_until = self.now + cost * (1.0 + self.interference * others)
+        heapq.heappush(self._events, (r.busy_until, next(self._seq), index))
+
+    def _end_iteration(self, index: int) -> list[Finished]:
+        r = self.replicas[index]
+        done: list[Finished] = []
+        still: list[_Job] = []
+        for job in r.running:
+            job.remaining -= 1
+            if job.first_token is None:
+                job.first_token = self.now
+            if job.remaining > 0:
+                still.append(job)
+                continue
+            tokens = max(1, job.request.max_tokens or 1)
+            done.append(
+                Finished(
+                    job.request,
+                    index,
+                    r.model,
+                    job.arrival,
+                    job.first_token,
+                    self.now,
+                    tokens,
+                    self.slo.met(self.now - job.arrival, tokens),
+                )  # fmt: skip
+            )
+        r.running = still
+        r.busy_until = None
+        self._start_iteration(index)
+        return done
