@@ -45,6 +45,8 @@ class Finished:
 class _Job:
     request: Request
     arrival: float
+    tokens: int
+    """Output tokens it will get: its max_tokens, at least 1."""
     remaining: int
     first_token: float | None = None
 
@@ -112,7 +114,7 @@ class Simulator:
         """Queue `request` at `replica` at the current time (its arrival, for the SLO)."""
         r = self.replicas[replica]
         tokens = max(1, request.max_tokens or 1)
-        r.waiting.append(_Job(request, self.now, tokens))
+        r.waiting.append(_Job(request, self.now, tokens, tokens))
         if r.busy_until is None:
             self._start_iteration(replica)
 
@@ -166,7 +168,7 @@ class Simulator:
             if job.remaining > 0:
                 still.append(job)
                 continue
-            tokens = max(1, job.request.max_tokens or 1)
+            elapsed = self.now - job.arrival
             done.append(
                 Finished(
                     job.request,
@@ -175,9 +177,9 @@ class Simulator:
                     job.arrival,
                     job.first_token,
                     self.now,
-                    tokens,
-                    self.slo.met(self.now - job.arrival, tokens),
-                )  # fmt: skip
+                    job.tokens,
+                    self.slo.met(elapsed, job.tokens),
+                )
             )
         r.running = still
         r.busy_until = None

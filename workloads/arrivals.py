@@ -140,22 +140,17 @@ class SwitchingRate(ArrivalProcess):
             level = (level + 1 + int(rng.integers(len(self.levels) - 1))) % len(self.levels)
 
     def _generate(self, rng: np.random.Generator) -> Iterator[float]:
-        # One generator feeds both the switching process and the arrivals within each level, so
-        # the whole stream follows from the seed.
-        return _piecewise(rng, self.segments(rng), self.cv)
+        # The switching process draws from a child of the seed's generator, so `schedule` can
+        # replay the levels alone without drawing every arrival again.
+        return _piecewise(rng, self.segments(rng.spawn(1)[0]), self.cv)
 
     def schedule(self, seed: int, duration: float) -> list[tuple[float, float]]:
-        """(start, rate) of each level the stream visits before `duration`, for plotting. It
-        replays the same generator, so it matches `iter(seed)` exactly."""
-        rng = np.random.default_rng(seed)
+        """(start, rate) of each level `iter(seed)` visits before `duration`, for plotting."""
         out, start = [], 0.0
-        for segment in self.segments(rng):
+        for segment in self.segments(np.random.default_rng(seed).spawn(1)[0]):
             if start >= duration:
                 return out
             out.append((start, segment.rate))
-            # Advance the generator past this segment's arrivals exactly as _piecewise does.
-            for _ in _piecewise(rng, iter([Segment(segment.duration, segment.rate)]), self.cv):
-                pass
             start += segment.duration
         return out
 

@@ -147,14 +147,21 @@ class _Contents:
 
     def __init__(self, spec: WorkloadSpec, rng: np.random.Generator) -> None:
         self.spec, self.rng = spec, rng
+        # Cumulative weights once per mix: a simulator draws millions of requests.
+        self.mixes = {
+            name: (list(mix), np.cumsum(list(mix.values())) / sum(mix.values()))
+            for name, mix in (("tasks", spec.tasks), ("classes", spec.classes))
+        }
         self.sentences = [s.strip() for s in _SENTENCE.findall(corpus())]
         self.open: list[_Conversation] = []
         self.sessions = 0
 
-    def pick(self, mix: Mapping[str, float]) -> str:
-        names = list(mix)
-        weights = np.array([mix[n] for n in names], dtype=float)
-        return names[int(self.rng.choice(len(names), p=weights / weights.sum()))]
+    def pick(self, mix: str) -> str:
+        """A name from the spec's "tasks" or "classes" mix, by weight."""
+        names, cumulative = self.mixes[mix]
+        return names[
+            min(int(np.searchsorted(cumulative, self.rng.random(), "right")), len(names) - 1)
+        ]
 
     def uniform(self, bounds: tuple[int, int]) -> int:
         return int(self.rng.integers(bounds[0], bounds[1] + 1))
@@ -198,8 +205,8 @@ class _Contents:
     def request(self, index: int, arrival: float) -> Request:
         if self.spec.sessions is not None:
             return self.turn(index, arrival, self.spec.sessions)
-        task = self.pick(self.spec.tasks)
-        qos_class = self.pick(self.spec.classes)
+        task = self.pick("tasks")
+        qos_class = self.pick("classes")
         prompt_tokens, output = self.lengths(task, index)
         text = self.prompt(task, prompt_tokens)
         return Request(
@@ -218,13 +225,13 @@ class _Contents:
 
     def turn(self, index: int, arrival: float, sessions: Sessions) -> Request:
         if not self.open or self.rng.random() < sessions.new_share:
-            task = self.pick(self.spec.tasks)
+            task = self.pick("tasks")
             context = self.filler(self.uniform(sessions.context_tokens))
             first = f"Background: {context}\n\n{self.example(task)}"
             conv = _Conversation(
                 f"s{self.sessions}",
                 task,
-                self.pick(self.spec.classes),
+                self.pick("classes"),
                 self.uniform(sessions.turns),
                 [Message("user", first)],
             )
