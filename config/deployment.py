@@ -125,9 +125,15 @@ def resolve(
         tiers=spec.tiers,
         anonymous_tier=spec.anonymous_tier,
         api_keys={k: key.tier for key in spec.api_keys if (k := key.resolve())},
-        policy=dep.policy,
+        policy=_policy(dep.policy, Path(base_dir)),
         profile=spec.profiles[dep.profile] if dep.profile else None,
     )
+
+
+def _policy(policy: PolicySpec, base_dir: Path) -> PolicySpec:
+    if policy.path is None or Path(policy.path).is_absolute():
+        return policy
+    return policy.model_copy(update={"path": str(base_dir / policy.path)})
 
 
 def load_deployment(path: str | Path = DEFAULT_PATH, name: str | None = None) -> Deployment:

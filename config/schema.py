@@ -108,6 +108,9 @@ class Profile(Strict):
     source: Literal["measured", "derived"]
     how: str
     """For measured profiles: where, when and by which command. For derived ones: the method."""
+    interference: Annotated[float, Field(ge=0)] = 0.0
+    """Slowdown per busy replica on the same device: an iteration takes (1 + interference x k)
+    times as long while k neighbours are busy."""
     models: dict[str, ProfileModel]
 
 
@@ -152,6 +155,12 @@ class PolicySpec(Strict):
     name: str
     max_running: Annotated[int, Field(gt=0)] = 8
     """quality-threshold: a replica at or above this many running requests counts as full."""
+    thresholds: dict[str, Annotated[int, Field(gt=0)]] = {}
+    """quality-threshold: per-model overrides of max_running (as tuned by grid search)."""
+    model: str | None = None
+    """static: the one model every request goes to."""
+    path: str | None = None
+    """dqn: the trained policy file (.npz), relative to models.yaml's directory."""
 
 
 class DeploymentSpec(Strict):

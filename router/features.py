@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from config import Deployment
 from router.view import ClusterView
 from workloads import Request
 
@@ -60,6 +61,13 @@ class FeatureEncoder:
         self.batch_scale = batch_scale
         self.rate_scale = rate_scale
         self.size = len(self.replicas) + len(self.tasks) + 1 + len(self.qos_classes)
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment) -> FeatureEncoder:
+        """The one layout for a deployment, built the same by the simulator and the gateway."""
+        return cls(
+            [r.name for r in deployment.replicas], deployment.tasks, list(deployment.qos_classes)
+        )
 
     def encode(self, view: ClusterView, request: Request, rate: float) -> np.ndarray:
         obs = np.zeros(self.size, dtype=np.float32)

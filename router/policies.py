@@ -1,13 +1,24 @@
-"""Routing policies behind one small interface, registered by name."""
+"""Routing policies behind one small interface, registered by name.
+
+A policy sees the encoded observation, the request and the cluster view, and returns a replica.
+The baselines read the view; the DQN reads only the observation, as it did in training.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+import bisect
+import itertools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
+import xxhash
 
 from config import Deployment
+from router.features import FeatureEncoder
 from router.view import ClusterView
 from workloads import Request
 
@@ -19,19 +30,139 @@ class Policy(Protocol):
         ...
 
 
-class QualityThreshold:
-    """The best-quality model whose least-loaded replica runs fewer than `max_running` requests.
+def _least_loaded(view: ClusterView, model: str | None = None) -> int:
+    index = view.least_loaded(model)
+    if index is None:
+        index = view.least_loaded()
+    if index is None:
+        raise ValueError("no replica is available")
+    return index
 
-    When every model is that busy, the replica with the fewest running requests wins (ties go to
-    the better model): past the threshold, queueing is what costs the deadline.
+
+class Static:
+    """Every request to one model (its least-loaded replica): seed 004's baselines."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        return _least_loaded(view, self.model)
+
+
+class RoundRobin:
+    """Each available replica in turn, whatever its model or load (Kubernetes' Service)."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        available = [i for i, r in enumerate(view.replicas) if r.available]
+        if not available:
+            raise ValueError("no replica is available")
+        return available[next(self._turn) % len(available)]
+
+
+class LeastLoad:
+    """The replica with the fewest requests in flight, any model (KubeAI's LeastLoad)."""
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        return _least_loaded(view)
+
+
+class PowerOfTwo:
+    """The less loaded of two replicas drawn at random (Mitzenmacher's power of two choices)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        available = [i for i, r in enumerate(view.replicas) if r.available]
+        if not available:
+            raise ValueError("no replica is available")
+        picks = self._rng.choice(available, size=min(2, len(available)), replace=False)
+        return int(min(picks, key=lambda i: view.replicas[i].running))
+
+
+class RandomModel:
+    """A model drawn uniformly, then its least-loaded replica: the floor a learner must clear."""
+
+    def __init__(self, models: Sequence[str], seed: int = 0) -> None:
+        self.models = list(models)
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        return _least_loaded(view, self.models[int(self._rng.integers(len(self.models)))])
+
+
+class PrefixHash:
+    """KubeAI's PrefixHash (seed 003): consistent hashing with bounded loads (Mirrokni et al.).
+
+    The key is the first `prefix_chars` characters of the first user message, so every turn of a
+    conversation maps to the same point on a ring of `replication` virtual nodes per replica. From
+    there the walk takes the first available replica whose load stays within `load_factor` times
+    the average: load + 1 <= ceil((total + 1) / replicas x load_factor). The ceiling is the
+    paper's: it guarantees that some replica fits, even when every load is equal. Hashes are
+    xxHash64, as KubeAI's.
     """
 
-    def __init__(self, quality: dict[str, dict[str, float]], max_running: int) -> None:
-        self.max_running = max_running
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        prefix_chars: int = 100,
+        replication: int = 256,
+        load_factor: float = 1.25,
+    ) -> None:
+        self.prefix_chars = prefix_chars
+        self.load_factor = load_factor
+        points = sorted(
+            (xxhash.xxh64_intdigest(f"{name}{i}".encode()), index)
+            for index, name in enumerate(replicas)
+            for i in range(replication)
+        )
+        self._hashes = [h for h, _ in points]
+        self._owners = [index for _, index in points]
+
+    def key(self, request: Request) -> str:
+        if isinstance(request.prompt, str):
+            return request.prompt[: self.prefix_chars]
+        first = next((m.content for m in request.prompt if m.role == "user"), "")
+        return first[: self.prefix_chars]
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        replicas = view.replicas
+        total = sum(r.running for r in replicas)
+        bound = math.ceil((total + 1) / len(replicas) * self.load_factor)
+        start = bisect.bisect(self._hashes, xxhash.xxh64_intdigest(self.key(request).encode()))
+        n = len(self._hashes)
+        for step in range(n):
+            index = self._owners[(start + step) % n]
+            r = replicas[index]
+            if r.available and (total == 0 or r.running + 1 <= bound):
+                return index
+        return _least_loaded(view)
+
+
+class QualityThreshold:
+    """The best-quality model (for the request's task) whose least-loaded replica runs fewer
+    requests than that model's threshold.
+
+    When every model is that busy, the replica with the fewest running requests wins (ties go to
+    the better model): past the thresholds, queueing is what costs the deadline. The thresholds
+    are the tuning knobs: `router.evaluate.tune_threshold` grid-searches them on the training
+    workloads.
+    """
+
+    def __init__(
+        self,
+        quality: Mapping[str, Mapping[str, float]],
+        max_running: int,
+        thresholds: Mapping[str, int] | None = None,
+    ) -> None:
+        models = list(next(iter(quality.values())))
+        self.thresholds = {m: max_running for m in models} | dict(thresholds or {})
         self._by_task = {
             task: sorted(row, key=row.__getitem__, reverse=True) for task, row in quality.items()
         }
-        models = list(next(iter(quality.values())))
         mean = {m: sum(row[m] for row in quality.values()) / len(quality) for m in models}
         self._default = sorted(models, key=mean.__getitem__, reverse=True)
 
@@ -42,7 +173,7 @@ class QualityThreshold:
             i = view.least_loaded(model)
             if i is None:
                 continue
-            if view.replicas[i].running < self.max_running:
+            if view.replicas[i].running < self.thresholds[model]:
                 return i
             if fallback is None or view.replicas[i].running < view.replicas[fallback].running:
                 fallback = i
@@ -51,10 +182,95 @@ class QualityThreshold:
         return fallback
 
 
+class DqnPolicy:
+    """A trained Q-network evaluated as numpy matrix products: no torch in the routing path.
+
+    The file (`.npz`) holds the layers and, as JSON, the observation layout it was trained on and
+    what its actions mean, so that a policy cannot silently route a deployment it does not fit.
+    """
+
+    def __init__(self, layers: list[tuple[np.ndarray, np.ndarray]], meta: dict[str, Any]) -> None:
+        self.layers = [(w.astype(np.float32), b.astype(np.float32)) for w, b in layers]
+        self.meta = meta
+        self.action = meta["action"]
+        self.models: list[str] = meta["models"]
+
+    def q_values(self, obs: np.ndarray) -> np.ndarray:
+        x = obs
+        last = len(self.layers) - 1
+        for i, (w, b) in enumerate(self.layers):
+            x = w @ x + b
+            if i < last:
+                np.maximum(x, 0.0, out=x)
+        return x
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        action = int(np.argmax(self.q_values(obs)))
+        if self.action == "replica":
+            return action
+        return _least_loaded(view, self.models[action])
+
+    def save(self, path: str | Path) -> None:
+        arrays = {f"w{i}": w for i, (w, _) in enumerate(self.layers)}
+        arrays |= {f"b{i}": b for i, (_, b) in enumerate(self.layers)}
+        np.savez_compressed(path, meta=np.array(json.dumps(self.meta)), **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DqnPolicy:
+        try:
+            with np.load(path) as data:
+                meta = json.loads(str(data["meta"]))
+                n = sum(1 for k in data.files if k.startswith("w"))
+                layers = [(data[f"w{i}"], data[f"b{i}"]) for i in range(n)]
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"{path}: not a trained router policy: {exc}") from exc
+        return cls(layers, meta)
+
+    def check_fits(self, deployment: Deployment) -> None:
+        """Raise unless this policy was trained on the deployment's observation layout."""
+        encoder = FeatureEncoder.for_deployment(deployment)
+        layout = {
+            "replicas": encoder.replicas,
+            "tasks": list(encoder.tasks),
+            "qos_classes": list(encoder.qos_classes),
+            "models": deployment.models,
+        }
+        for key, want in layout.items():
+            if self.meta.get(key) != want:
+                raise ValueError(
+                    f"the policy was trained with {key} {self.meta.get(key)}, but deployment "
+                    f"{deployment.name!r} has {want}; retrain it with python -m router.train"
+                )
+
+
+def _dqn(deployment: Deployment) -> DqnPolicy:
+    if deployment.policy.path is None:
+        raise ValueError(f"deployment {deployment.name!r}: policy dqn needs a path")
+    policy = DqnPolicy.load(deployment.policy.path)
+    policy.check_fits(deployment)
+    return policy
+
+
+def _static(deployment: Deployment) -> Static:
+    model = deployment.policy.model
+    if model not in deployment.models:
+        raise ValueError(f"policy static needs a model of the deployment, got {model!r}")
+    return Static(model)
+
+
 PolicyFactory = Callable[[Deployment], Policy]
 
 POLICIES: dict[str, PolicyFactory] = {
-    "quality-threshold": lambda d: QualityThreshold(d.quality, d.policy.max_running),
+    "quality-threshold": lambda d: QualityThreshold(
+        d.quality, d.policy.max_running, d.policy.thresholds
+    ),
+    "dqn": _dqn,
+    "static": _static,
+    "round-robin": lambda d: RoundRobin(),
+    "least-load": lambda d: LeastLoad(),
+    "p2c": lambda d: PowerOfTwo(),
+    "prefix-hash": lambda d: PrefixHash([r.name for r in d.replicas]),
+    "random": lambda d: RandomModel(d.models),
 }
 
 

@@ -61,6 +61,8 @@ class _Replica:
     running: list[_Job] = field(default_factory=list)
     busy_until: float | None = None
     """End of the iteration in progress; None while idle."""
+    steps: list[float] = field(default_factory=list)
+    """step_time(profile, b) for b = 0..max_batch: the hot path indexes instead of interpolating."""
 
     @property
     def in_flight(self) -> int:
@@ -89,7 +91,10 @@ class Simulator:
         missing = sorted({m for _, m, _ in replicas} - set(profiles))
         if missing:
             raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
-        self.replicas = [_Replica(n, m, d, profiles[m]) for n, m, d in replicas]
+        tables = {m: [step_time(p, b) for b in range(max_batch + 1)] for m, p in profiles.items()}
+        self.replicas = [_Replica(n, m, d, profiles[m], steps=tables[m]) for n, m, d in replicas]
+        self._busy = dict.fromkeys((r.device for r in self.replicas), 0)
+        """Busy replicas per device."""
         self.slo = slo
         self.max_batch = max_batch
         self.interference = interference
@@ -103,6 +108,7 @@ class Simulator:
         if deployment.profile is None:
             raise ValueError(f"deployment {deployment.name!r} names no latency profile")
         replicas = [(r.name, r.model, r.device or r.name) for r in deployment.replicas]
+        kwargs.setdefault("interference", deployment.profile.interference)
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)  # type: ignore[arg-type]
 
     def view(self) -> ClusterView:
@@ -141,7 +147,6 @@ class Simulator:
         del r.waiting[: len(admitted)]
         r.running += admitted
         if not r.running:
-            r.busy_until = None
             return
         prefill = sum(
             self.default_prompt_tokens
@@ -149,12 +154,10 @@ class Simulator:
             else j.request.prompt_tokens
             for j in admitted
         )
-        cost = step_time(r.profile, len(r.running)) + prefill * r.profile.prefill_s_per_token
-        others = sum(
-            1 for i, o in enumerate(self.replicas)
-            if i != index and o.device == r.device and o.busy_until is not None
-        )  # fmt: skip
+        cost = r.steps[len(r.running)] + prefill * r.profile.prefill_s_per_token
+        others = self._busy[r.device]  # this replica is idle here, so not among them
         r.busy_until = self.now + cost * (1.0 + self.interference * others)
+        self._busy[r.device] += 1
         heapq.heappush(self._events, (r.busy_until, next(self._seq), index))
 
     def _end_iteration(self, index: int) -> list[Finished]:
@@ -183,5 +186,6 @@ class Simulator:
             )
         r.running = still
         r.busy_until = None
+        self._busy[r.device] -= 1
         self._start_iteration(index)
         return done

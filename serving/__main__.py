@@ -37,7 +37,10 @@ def main() -> int:
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
-    app = build_app(setup.deployment, args.policy, args.max_body_bytes)
+    try:
+        app = build_app(setup.deployment, args.policy, args.max_body_bytes)
+    except ValueError as exc:  # the policy cannot be built: a bad name, file or model
+        parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier
     h3 = setup.http3(
         partial(classifier.stream_spec, soft_deadlines=not args.hard_deadlines),

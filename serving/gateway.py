@@ -93,9 +93,7 @@ class Gateway:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        self.encoder = FeatureEncoder(
-            [r.name for r in replicas], deployment.tasks, list(deployment.qos_classes)
-        )
+        self.encoder = FeatureEncoder.for_deployment(deployment)
         self.rate = ArrivalRateEstimator()
 
     async def start(self, request: Request, sampling: Sampling, model: str = AUTO) -> Generation:
@@ -105,6 +103,7 @@ class Gateway:
         that turns out to be down before producing anything is skipped, and the next choice tried.
         """
         rate = self.rate.observe(self.clock())
+        self.metrics.arrival_rate.set(rate)
         skipped: set[str] = set()
         while True:
             try:
@@ -141,6 +140,7 @@ class Gateway:
             raise BadRequest(f"Unknown task {request.task!r} (known: {known}).", "task")
 
     def _route(self, request: Request, model: str, rate: float, skipped: set[str]) -> Replica:
+        started = time.perf_counter()
         view = self.replicas.view(None if model == AUTO else model, exclude=skipped)
         if not any(r.available for r in view.replicas):
             which = "the router's models" if model == AUTO else f"model {model!r}"
@@ -150,6 +150,7 @@ class Gateway:
         else:
             obs = self.encoder.encode(view, request, rate)
             index = self.policy.choose(obs, request, view)
+            self.metrics.route.observe(time.perf_counter() - started)
             if not view.replicas[index].available:
                 chosen = view.replicas[index].model
                 index = view.least_loaded(chosen)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -29,6 +30,7 @@ CANCELLED = "cancelled"  # the client went away first
 disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0)
+_ROUTE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 1e-3)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0)
 
 
@@ -72,6 +74,17 @@ class Metrics:
             "serving_generated_tokens",
             "Output tokens streamed to clients.",
             ["model"],
+            registry=self.registry,
+        )
+        self.arrival_rate = Gauge(
+            "serving_router_arrival_rate",
+            "The router's arrival-rate estimate (req/s), as the latest request saw it.",
+            registry=self.registry,
+        )
+        self.route = Histogram(
+            "serving_route_seconds",
+            "Time the router took to choose a replica: live view, features and policy.",
+            buckets=_ROUTE_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_ReplicaCollector(replicas))

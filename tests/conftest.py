@@ -138,6 +138,10 @@ def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
     for model in spec["models"].values():
         if model["source"].startswith("."):
             model["source"] = str(ROOT / model["source"])
+    for deployment in spec["deployments"].values():
+        path = deployment.get("policy", {}).get("path")
+        if path and not Path(path).is_absolute():
+            deployment["policy"]["path"] = str(ROOT / path)
     for qos_class in spec["qos_classes"].values():
         qos_class["deadline_s"] = 60.0
     spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}

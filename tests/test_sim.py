@@ -65,4 +65,4 @@ def test_the_paper_deployment_simulates_twelve_replicas_on_four_gpus() -> None:
     assert len(sim.replicas) == 12
     assert {r.device for r in sim.replicas} == {f"cuda:{i}" for i in range(4)}
     with pytest.raises(ValueError, match="names no latency profile"):
-        Simulator.from_deployment(load_deployment(name="embedded"))
+        Simulator.from_deployment(load_deployment(name="opt-cpu"))

@@ -1,0 +1,61 @@
+"""The policies every experiment compares, built once per deployment."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from config import Deployment
+from router.evaluate import tune_threshold
+from router.policies import (
+    DqnPolicy,
+    LeastLoad,
+    Policy,
+    PowerOfTwo,
+    PrefixHash,
+    QualityThreshold,
+    RandomModel,
+    RoundRobin,
+    Static,
+)
+
+DEFAULT_POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
+
+
+def tuned_thresholds(deployment: Deployment, results: Path) -> dict[str, int]:
+    """The grid-searched thresholds, cached in results/ (the search takes minutes)."""
+    cache = results / f"threshold-{deployment.name}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())["thresholds"]
+    from tqdm import tqdm
+
+    with tqdm(desc="tuning thresholds", unit="candidate") as bar:
+        result = tune_threshold(deployment, progress=bar.update)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"thresholds": result.thresholds, "reward": result.reward}))
+    return result.thresholds
+
+
+def baselines(
+    deployment: Deployment, results: Path, dqn: Path | None = None
+) -> dict[str, Callable[[], Policy]]:
+    """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls)."""
+    thresholds = tuned_thresholds(deployment, results)
+    policies: dict[str, Callable[[], Policy]] = {}
+    dqn = dqn or DEFAULT_POLICY_DIR / f"{deployment.name}.npz"
+    if dqn.exists():
+        trained = DqnPolicy.load(dqn)
+        trained.check_fits(deployment)
+        policies["dqn"] = lambda: trained
+    policies["threshold"] = lambda: QualityThreshold(deployment.quality, 32, thresholds)
+    for model in deployment.models:
+        policies[f"{model}-only"] = lambda m=model: Static(m)  # type: ignore[misc]
+    policies |= {
+        "round-robin": RoundRobin,
+        "least-load": LeastLoad,
+        "p2c": PowerOfTwo,
+        "prefix-hash": lambda: PrefixHash([r.name for r in deployment.replicas]),
+        "random": lambda: RandomModel(deployment.models),
+    }
+    return policies

@@ -1,0 +1,155 @@
+"""The routing problem as a gymnasium environment, on the simulator.
+
+One step is one request: the observation describes the cluster as the request arrives, the action
+routes it, and the environment runs the simulator up to the next arrival.
+
+Actions: by default the model tier (index into `deployment.models`), sent to that model's
+least-loaded replica as in seed 004; with `action="replica"`, the replica itself.
+
+Rewards arrive late: a request's reward (quality x class weight if it met the SLO, else 0) is
+known only when its last token is out. Each step returns the rewards of every request that
+finished since the previous step, so the return is the total reward the router is judged on, each
+request counted once; the discount (0.99, a horizon of about a hundred requests, several times
+the number in flight at once) carries the credit back to the routing decision. The alternative,
+holding each transition until its own request finishes, does not fit an off-policy replay buffer
+that stores transitions as they happen. Requests still in flight when an episode is cut off are
+left to the bootstrap, as for any truncated episode; evaluation runs them out with `drain()`.
+
+An episode is a fixed number of requests from one workload drawn at reset; it ends truncated,
+never terminated, because the cluster runs on past it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+
+from config import Deployment
+from router.features import ArrivalRateEstimator, FeatureEncoder
+from router.sim import Finished, Simulator
+from router.view import ClusterView
+from workloads import Request
+from workloads.arrivals import ArrivalProcess, Poisson, SwitchingRate
+from workloads.generate import WorkloadSpec, requests
+
+WorkloadSampler = Callable[[np.random.Generator], WorkloadSpec]
+
+
+@dataclass(frozen=True)
+class RandomRates:
+    """Training workloads, as in seed 004: each episode a Poisson rate drawn log-uniformly from
+    `rates`, or (with probability `switching`) a rate that switches between levels in that range,
+    so that the policy also sees load change under it. Tasks uniform; classes uniform over
+    `classes`, so that every class the gateway may see has been seen in training."""
+
+    rates: tuple[float, float] = (0.25, 48.0)
+    switching: float = 0.5
+    classes: tuple[str, ...] = ("free-tier",)
+    mean_level_s: float = 10.0
+
+    def __call__(self, rng: np.random.Generator) -> WorkloadSpec:
+        lo, hi = np.log(self.rates[0]), np.log(self.rates[1])
+        arrivals: ArrivalProcess
+        if rng.random() < self.switching:
+            levels = tuple(sorted(float(np.exp(v)) for v in rng.uniform(lo, hi, size=4)))
+            arrivals = SwitchingRate(levels=levels, mean_duration_s=self.mean_level_s)
+        else:
+            arrivals = Poisson(float(np.exp(rng.uniform(lo, hi))))
+        return WorkloadSpec(arrivals=arrivals, classes=dict.fromkeys(self.classes, 1.0))
+
+
+class RoutingEnv(gym.Env[np.ndarray, np.int64]):
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        workloads: WorkloadSampler | None = None,
+        episode_requests: int = 1000,
+        action: Literal["model", "replica"] = "model",
+        simulator: Callable[[], Simulator] | None = None,
+    ) -> None:
+        """`workloads` draws each episode's workload (default: RandomRates over the deployment's
+        classes); `simulator` builds a fresh simulator per episode (default: the deployment's)."""
+        self.deployment = deployment
+        self.workloads = workloads or RandomRates(classes=tuple(deployment.qos_classes))
+        self.episode_requests = episode_requests
+        self.action_kind = action
+        self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
+        self.encoder = FeatureEncoder.for_deployment(deployment)
+        self.models = deployment.models
+        n_actions = len(self.models) if action == "model" else len(deployment.replicas)
+        self.action_space = gym.spaces.Discrete(n_actions)
+        self.observation_space = gym.spaces.Box(0.0, np.inf, (self.encoder.size,), np.float32)
+        self.sim: Simulator | None = None
+        self.request: Request | None = None
+        self.finished: list[Finished] = []
+        """Every request finished this episode, for evaluation."""
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """`options` may fix the episode: "workload" (a WorkloadSpec, instead of drawing one),
+        "seed" (its draws), and "requests" or "duration" (its length; default episode_requests)."""
+        super().reset(seed=seed, options=options)
+        options = options or {}
+        spec = options.get("workload") or self.workloads(self.np_random)
+        workload_seed = int(options.get("seed", self.np_random.integers(2**31)))
+        duration = options.get("duration")
+        limit = options.get("requests", None if duration else self.episode_requests)
+        self.sim = self._new_simulator()
+        self.rate = ArrivalRateEstimator()
+        self.finished = []
+        self._requests: Iterator[Request] = requests(spec, workload_seed, duration, limit)
+        obs = self._arrive(next(self._requests, None))
+        if obs is None:
+            raise ValueError("the workload has no requests")
+        return obs, {}
+
+    def step(self, action: np.int64 | int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        assert self.sim is not None and self.request is not None, "call reset() first"
+        self.sim.submit(self.request, self.replica_for(int(action), self.sim.view()))
+        nxt = next(self._requests, None)
+        if nxt is None:  # the episode's last observation: the cluster as the last request left it
+            obs = self.encoder.encode(self.sim.view(), self.request, self.rate.value(self.sim.now))
+            return obs, 0.0, False, True, {}
+        before = len(self.finished)
+        obs = self._arrive(nxt)
+        return obs, self._reward(self.finished[before:]), False, False, {}
+
+    def drain(self) -> list[Finished]:
+        """After the last step: run the requests still in flight to the end (for evaluation)."""
+        assert self.sim is not None
+        done = self.sim.drain()
+        self.finished += done
+        return done
+
+    def replica_for(self, action: int, view: ClusterView) -> int:
+        if self.action_kind == "replica":
+            return action
+        index = view.least_loaded(self.models[action])
+        assert index is not None
+        return index
+
+    def view(self) -> ClusterView:
+        assert self.sim is not None
+        return self.sim.view()
+
+    def _arrive(self, request: Request | None) -> np.ndarray | None:
+        if request is None:
+            return None
+        assert self.sim is not None
+        self.finished += self.sim.advance(request.arrival)
+        self.request = request
+        rate = self.rate.observe(request.arrival)
+        return self.encoder.encode(self.sim.view(), request, rate)
+
+    def _reward(self, done: list[Finished]) -> float:
+        reward = self.deployment.reward
+        return float(
+            sum(reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in done)
+        )

@@ -1,0 +1,121 @@
+"""Run a policy over a workload in the simulator, and tune the threshold heuristic there.
+
+The same environment that trains the DQN evaluates every policy, with the replica as the action,
+so all of them see the same arrivals, the same contents and the same cluster.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from config import Deployment
+from router.env import RandomRates, RoutingEnv
+from router.policies import Policy, QualityThreshold
+from router.sim import Finished, Simulator
+from workloads.generate import WorkloadSpec
+from workloads.metrics import Outcome
+
+
+def simulate(
+    deployment: Deployment,
+    policy: Policy,
+    spec: WorkloadSpec,
+    seed: int,
+    duration: float | None = None,
+    requests: int | None = None,
+    simulator: Callable[[], Simulator] | None = None,
+) -> list[Finished]:
+    """Every request of the workload, routed by `policy` and run to its end."""
+    env = RoutingEnv(deployment, action="replica", simulator=simulator)
+    options = {"workload": spec, "seed": seed, "duration": duration, "requests": requests}
+    obs, _ = env.reset(seed=seed, options={k: v for k, v in options.items() if v is not None})
+    truncated = False
+    while not truncated:
+        assert env.request is not None
+        obs, _, _, truncated, _ = env.step(policy.choose(obs, env.request, env.view()))
+    env.drain()
+    return env.finished
+
+
+def outcomes(deployment: Deployment, finished: Sequence[Finished]) -> list[Outcome]:
+    """The simulator's records in the load generator's terms, for workloads.metrics."""
+    rows = []
+    for f in finished:
+        r = f.request
+        itl = (f.last_token - f.first_token) / (f.output_tokens - 1) if f.output_tokens > 1 else 0
+        rows.append(
+            Outcome(
+                request_id=r.request_id,
+                qos_class=r.qos_class,
+                task=r.task,
+                arrival_s=f.arrival,
+                status=200,
+                model=f.model,
+                replica=str(f.replica),
+                ttft_s=f.first_token - f.arrival,
+                itl_s=[itl] * (f.output_tokens - 1),
+                e2el_s=f.last_token - f.arrival,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=f.output_tokens,
+                slo_met=f.slo_met,
+                reward=deployment.reward(r.task, f.model, r.qos_class, f.slo_met),
+            )
+        )
+    return sorted(rows, key=lambda o: o.arrival_s)
+
+
+def mean_reward(deployment: Deployment, finished: Sequence[Finished]) -> float:
+    if not finished:
+        return 0.0
+    reward = deployment.reward
+    total = sum(reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in finished)
+    return total / len(finished)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    thresholds: dict[str, int]
+    reward: float
+    """Mean reward per request over the tuning episodes."""
+    table: list[tuple[dict[str, int], float]]
+
+
+THRESHOLD_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def tune_threshold(
+    deployment: Deployment,
+    episodes: int = 8,
+    episode_requests: int = 1000,
+    seed: int = 0,
+    grid: Sequence[int] = THRESHOLD_GRID,
+    progress: Callable[[int], object] | None = None,
+) -> TuneResult:
+    """Grid-search QualityThreshold's per-model thresholds on training workloads (RandomRates,
+    drawn from `seed`), every candidate on the same episodes. The lowest-quality model is the
+    last resort and keeps no threshold of its own."""
+    ranked = sorted(
+        deployment.models, key=lambda m: -np.mean([row[m] for row in deployment.quality.values()])
+    )
+    tuned = ranked[:-1]
+    rng = np.random.default_rng(seed)
+    sampler = RandomRates(classes=tuple(deployment.qos_classes))
+    workloads = [(sampler(rng), int(rng.integers(2**31))) for _ in range(episodes)]
+    table = []
+    for values in itertools.product(grid, repeat=len(tuned)):
+        thresholds = dict(zip(tuned, values, strict=True))
+        policy = QualityThreshold(deployment.quality, max(grid), thresholds)
+        finished = [
+            f
+            for spec, s in workloads
+            for f in simulate(deployment, policy, spec, s, requests=episode_requests)
+        ]
+        table.append((thresholds, mean_reward(deployment, finished)))
+        if progress:
+            progress(1)
+    best, reward = max(table, key=lambda row: row[1])
+    return TuneResult(best, reward, table)

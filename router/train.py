@@ -1,0 +1,287 @@
+"""`python -m router.train`: train the DQN router in simulation (seed 004 §5.1).
+
+Double DQN, a 2 x 256 MLP, learning rate 1e-4, discount 0.99, a target network copied every 500
+steps, epsilon-greedy exploration; 1.2 M steps by default, on the deployment's latency profile
+with a random rate each episode (`router.env.RandomRates`).
+
+Writes, under `--logdir` (default results/router/<deployment>/): TensorBoard logs, checkpoints
+with the replay buffer (so `--resume` continues where a run stopped), the monitor CSV and
+learning-curve.png. The trained network goes to `--out` (default router/policies/<deployment>.npz)
+as numpy arrays, the form the gateway routes with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from stable_baselines3 import DQN
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
+from stable_baselines3.common.monitor import Monitor
+
+from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
+from router.env import RandomRates, RoutingEnv
+from router.policies import DqnPolicy
+
+HYPERPARAMETERS: dict[str, Any] = {
+    "learning_rate": 1e-4,
+    "gamma": 0.99,
+    "target_update_interval": 500,
+    "policy_kwargs": {"net_arch": [256, 256]},
+    "buffer_size": 200_000,
+    "learning_starts": 10_000,
+    "batch_size": 64,
+    "train_freq": 4,
+    "exploration_fraction": 0.1,
+    "exploration_final_eps": 0.02,
+}
+
+
+class DoubleDQN(DQN):
+    """DQN with the Double Q-learning target (van Hasselt et al., 2016): the online network picks
+    the next action and the target network values it.
+
+    SB3's DQN takes the max of the target network, which over-estimates; SB3 has no flag for
+    this, so `train` is SB3's own with that one line changed (marked)."""
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        losses = []
+        for _ in range(gradient_steps):
+            data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
+            discounts = data.discounts if data.discounts is not None else self.gamma
+            with th.no_grad():
+                # Double Q: argmax from the online network, value from the target network.
+                best = self.q_net(data.next_observations).argmax(dim=1, keepdim=True)
+                next_q = th.gather(self.q_net_target(data.next_observations), 1, best)
+                target = data.rewards + (1 - data.dones) * discounts * next_q
+            current = th.gather(self.q_net(data.observations), 1, data.actions.long())
+            loss = F.smooth_l1_loss(current, target)
+            losses.append(loss.item())
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+        self._n_updates += gradient_steps
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/loss", np.mean(losses))
+
+
+class Progress(BaseCallback):
+    """A tqdm bar showing the mean reward per request of recent episodes, and the learning curve
+    (every finished episode's mean reward per request) for the PNG."""
+
+    def __init__(self, total: int, episode_requests: int, show: bool = True) -> None:
+        super().__init__()
+        self.total = total
+        self.show = show
+        self.episode_requests = episode_requests
+        self.curve: list[tuple[int, float]] = []
+
+    def _on_training_start(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=self.total,
+            initial=self.num_timesteps,
+            unit="step",
+            smoothing=0.05,
+            mininterval=1.0,
+            disable=not self.show,
+        )
+
+    def _on_step(self) -> bool:
+        self.bar.update(1)
+        for info in self.locals.get("infos", []):
+            if "episode" in info:
+                per_request = info["episode"]["r"] / self.episode_requests
+                self.curve.append((self.num_timesteps, per_request))
+                self.logger.record("rollout/reward_per_request", per_request)
+                recent = np.mean([r for _, r in self.curve[-20:]])
+                self.bar.set_postfix(reward=f"{recent:.3f}", refresh=False)
+        return True
+
+    def _on_training_end(self) -> None:
+        self.bar.close()
+
+
+def make_env(deployment: Deployment, args: argparse.Namespace) -> Monitor:
+    env = RoutingEnv(
+        deployment,
+        RandomRates(rates=(args.min_rate, args.max_rate), classes=tuple(deployment.qos_classes)),
+        episode_requests=args.episode_requests,
+        action=args.action,
+    )
+    return Monitor(env, str(args.logdir / "monitor"))
+
+
+def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, Any]) -> DqnPolicy:
+    """The online Q-network as numpy layers, with the layout it expects."""
+    linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
+    layers = [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in linears]
+    encoder = env.encoder
+    return DqnPolicy(
+        layers,
+        meta
+        | {
+            "action": env.action_kind,
+            "models": deployment.models,
+            "replicas": encoder.replicas,
+            "tasks": list(encoder.tasks),
+            "qos_classes": list(encoder.qos_classes),
+            "batch_scale": encoder.batch_scale,
+            "rate_scale": encoder.rate_scale,
+        },
+    )
+
+
+def plot_curve(curve: list[tuple[int, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curve:
+        steps, rewards = zip(*curve, strict=True)
+        ax.plot(steps, rewards, ".", ms=2, alpha=0.3, label="episode")
+        k = max(1, len(rewards) // 50)
+        smooth = np.convolve(rewards, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1 :], smooth, label=f"mean of {k}")
+    ax.set(xlabel="training step (requests routed)", ylabel="mean reward per request", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _latest_checkpoint(logdir: Path) -> Path | None:
+    found = sorted(
+        (logdir / "checkpoints").glob("dqn_*_steps.zip"),
+        key=lambda p: int(p.stem.split("_")[-2]),
+    )
+    return found[-1] if found else None
+
+
+def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
+    th.set_num_threads(args.threads)
+    args.logdir.mkdir(parents=True, exist_ok=True)
+    env = make_env(deployment, args)
+    checkpoint = _latest_checkpoint(args.logdir) if args.resume else None
+    if checkpoint is not None:
+        model = DoubleDQN.load(checkpoint, env=env, device="cpu")
+        buffer = checkpoint.with_name(
+            checkpoint.name.replace("dqn_", "dqn_replay_buffer_").replace(".zip", ".pkl")
+        )
+        if buffer.exists():
+            model.load_replay_buffer(buffer)
+        print(f"resuming from {checkpoint} at step {model.num_timesteps}", file=sys.stderr)
+    hyperparameters = HYPERPARAMETERS | {"learning_starts": args.learning_starts}
+    if checkpoint is None:
+        if args.resume:
+            print(f"no checkpoint in {args.logdir}; starting afresh", file=sys.stderr)
+        model = DoubleDQN(
+            "MlpPolicy",
+            env,
+            seed=args.seed,
+            device="cpu",
+            tensorboard_log=str(args.logdir / "tensorboard"),
+            **hyperparameters,
+        )
+    curve_file = args.logdir / "learning-curve.json"
+    progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
+    if checkpoint is not None and curve_file.exists():
+        progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]  # type: ignore[misc]
+    callbacks = [progress]
+    if args.checkpoint_every:
+        callbacks.append(
+            CheckpointCallback(
+                args.checkpoint_every,
+                str(args.logdir / "checkpoints"),
+                name_prefix="dqn",
+                save_replay_buffer=True,
+            )
+        )
+    start = time.monotonic()
+    model.learn(
+        total_timesteps=max(0, args.steps - model.num_timesteps),
+        callback=callbacks,
+        reset_num_timesteps=checkpoint is None,
+        tb_log_name="dqn",
+    )
+    curve_file.write_text(json.dumps(progress.curve))
+    plot_curve(progress.curve, args.logdir / "learning-curve.png", f"DQN router, {deployment.name}")
+    meta = {
+        "deployment": deployment.name,
+        "steps": int(model.num_timesteps),
+        "seed": args.seed,
+        "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
+        "hyperparameters": {k: v for k, v in hyperparameters.items() if k != "policy_kwargs"}
+        | {"net_arch": hyperparameters["policy_kwargs"]["net_arch"], "double_q": True},
+        "train_seconds": round(time.monotonic() - start, 1),
+    }
+    policy = export(model, deployment, env.unwrapped, meta)  # type: ignore[arg-type]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    policy.save(args.out)
+    return policy
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m router.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, default=DEFAULT_PATH, help="models.yaml path")
+    parser.add_argument("--deployment", default="paper-4gpu", help="needs a latency profile")
+    parser.add_argument("--steps", type=int, default=1_200_000, help="total training steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--action", choices=["model", "replica"], default="model")
+    parser.add_argument("--episode-requests", type=int, default=1000)
+    parser.add_argument(
+        "--learning-starts",
+        type=int,
+        default=HYPERPARAMETERS["learning_starts"],
+        help="random steps before the first update",
+    )
+    parser.add_argument("--min-rate", type=float, default=0.25)
+    parser.add_argument("--max-rate", type=float, default=48.0)
+    parser.add_argument("--out", type=Path, help="default: router/policies/<deployment>.npz")
+    parser.add_argument("--logdir", type=Path, help="default: results/router/<deployment>")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=100_000, help="0: never")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
+    args = parser.parse_args()
+    try:
+        deployment = load_deployment(args.config, args.deployment)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if deployment.profile is None:
+        parser.error(f"deployment {deployment.name!r} names no latency profile to simulate")
+    if args.steps <= 0 or args.episode_requests <= 0 or not 0 < args.min_rate <= args.max_rate:
+        parser.error("--steps, --episode-requests > 0 and 0 < --min-rate <= --max-rate, please")
+    package = Path(__file__).resolve().parent
+    args.out = args.out or package / "policies" / f"{deployment.name}.npz"
+    args.logdir = args.logdir or Path("results") / "router" / deployment.name
+    policy = train(args, deployment)
+    print(f"wrote {args.out} ({policy.meta['steps']} steps, {policy.meta['train_seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

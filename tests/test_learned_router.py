@@ -1,0 +1,134 @@
+"""The learned router: its environment, its training, the baselines, and live routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from config import load_deployment
+from router.env import RoutingEnv
+from router.evaluate import mean_reward, simulate, tune_threshold
+from router.features import FeatureEncoder
+from router.policies import DqnPolicy, PrefixHash, RandomModel, Static
+from router.train import build_parser, train
+from router.view import ClusterView, ReplicaState
+from workloads import Message, Request
+from workloads.arrivals import Poisson
+from workloads.generate import WorkloadSpec
+
+PAPER = load_deployment(name="paper-4gpu")
+
+
+@pytest.mark.parametrize(
+    ("deployment", "action"), [("paper-4gpu", "model"), ("embedded", "replica")]
+)
+def test_env_passes_the_gymnasium_checker(deployment: str, action: str) -> None:
+    env = RoutingEnv(load_deployment(name=deployment), episode_requests=50, action=action)  # type: ignore[arg-type]
+    check_env(env, skip_render_check=True)
+    n = 3 if action == "model" else len(env.deployment.replicas)
+    assert env.action_space.n == n
+
+
+def test_rewards_credit_every_finished_request_exactly_once() -> None:
+    env = RoutingEnv(PAPER, action="model")
+    spec = WorkloadSpec(arrivals=Poisson(8.0))
+    env.reset(seed=3, options={"workload": spec, "seed": 3, "requests": 300})
+    total, truncated, steps = 0.0, False, 0
+    while not truncated:
+        _, reward, terminated, truncated, _ = env.step(1)
+        total += reward
+        steps += 1
+        assert not terminated
+    assert steps == 300
+    in_flight = len(env.finished)
+    tail = sum(
+        PAPER.reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in env.drain()
+    )
+    assert len(env.finished) == 300 > in_flight
+    every = sum(
+        PAPER.reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in env.finished
+    )
+    assert total + tail == pytest.approx(every)
+    assert {f.model for f in env.finished} == {"opt-1.3b"}
+
+
+def test_a_short_training_run_beats_random_routing(tmp_path: Path) -> None:
+    flags = "--steps 12000 --learning-starts 2000 --seed 0 --no-progress --checkpoint-every 0"
+    out = ["--out", str(tmp_path / "p.npz"), "--logdir", str(tmp_path / "log")]
+    args = build_parser().parse_args(flags.split() + out)
+    policy = train(args, PAPER)
+    assert (tmp_path / "log" / "learning-curve.png").stat().st_size > 0
+    loaded = DqnPolicy.load(tmp_path / "p.npz")
+    loaded.check_fits(PAPER)
+    assert loaded.meta["steps"] == 12000 and loaded.meta["hyperparameters"]["double_q"]
+    obs = np.random.default_rng(0).random(FeatureEncoder.for_deployment(PAPER).size)
+    np.testing.assert_allclose(loaded.q_values(obs), policy.q_values(obs), rtol=1e-6)
+
+    def score(make: type | object) -> float:
+        rewards = []
+        for rate in (2.0, 8.0, 16.0):
+            spec = WorkloadSpec(arrivals=Poisson(rate))
+            done = simulate(PAPER, make(), spec, seed=11, duration=40)  # type: ignore[operator]
+            rewards.append(mean_reward(PAPER, done))
+        return float(np.mean(rewards))
+
+    learned = score(lambda: loaded)
+    random = score(lambda: RandomModel(PAPER.models, seed=0))
+    assert learned > random + 0.02, (learned, random)
+
+
+def test_a_policy_refuses_a_deployment_it_was_not_trained_for(tmp_path: Path) -> None:
+    meta = {"action": "model", "models": ["a", "b"], "replicas": ["x"], "tasks": [],
+            "qos_classes": []}  # fmt: skip
+    DqnPolicy([(np.zeros((2, 1)), np.zeros(2))], meta).save(tmp_path / "p.npz")
+    with pytest.raises(ValueError, match="trained with replicas"):
+        DqnPolicy.load(tmp_path / "p.npz").check_fits(PAPER)
+    (tmp_path / "bad.npz").write_text("not numpy")
+    with pytest.raises(ValueError, match="not a trained router policy"):
+        DqnPolicy.load(tmp_path / "bad.npz")
+
+
+def test_threshold_tuning_picks_the_best_candidate_on_shared_episodes() -> None:
+    result = tune_threshold(PAPER, episodes=2, episode_requests=200, grid=(1, 64))
+    assert len(result.table) == 4  # two thresholds (6.7B, 1.3B), two values each
+    assert result.reward == max(r for _, r in result.table)
+    assert set(result.thresholds) == {"opt-6.7b", "opt-1.3b"}
+
+
+def _view(*running: int) -> ClusterView:
+    return ClusterView(tuple(ReplicaState(f"r{i}", "m", n, True) for i, n in enumerate(running)))
+
+
+def _turn(first: str, n: int) -> Request:
+    messages = [Message("user", first)] + [Message("user", f"turn {i}") for i in range(n)]
+    return Request(f"q{n}", 0.0, tuple(messages), 8, "free-tier")
+
+
+def test_prefix_hash_keeps_a_conversation_on_one_replica_within_the_load_bound() -> None:
+    policy = PrefixHash([f"r{i}" for i in range(4)])
+    obs = np.zeros(1, dtype=np.float32)
+    conversation = "Summarise this document: " + "x" * 200
+    home = policy.choose(obs, _turn(conversation, 0), _view(0, 0, 0, 0))
+    # Later turns share the first message, so they go home while home is not overloaded...
+    loads = [1, 1, 1, 1]
+    assert policy.choose(obs, _turn(conversation, 3), _view(*loads)) == home
+    # ...and move on once home would exceed 1.25 x the average load.
+    loads[home] = 6
+    moved = policy.choose(obs, _turn(conversation, 4), _view(*loads))
+    assert moved != home
+    homes = {policy.choose(obs, _turn(f"conversation {k} " * 10, 0), _view(0, 0, 0, 0))
+             for k in range(40)}  # fmt: skip
+    assert homes == {0, 1, 2, 3}
+
+
+def test_static_and_random_baselines_route_by_model() -> None:
+    spec = WorkloadSpec(arrivals=Poisson(32.0))
+    done = simulate(PAPER, Static("opt-125m"), spec, seed=0, requests=100)
+    assert len(done) == 100 and {f.model for f in done} == {"opt-125m"}
+    # Least-loaded replica of the model: four GPUs' replicas all get work.
+    assert len({f.replica for f in done}) == 4
+    mixed = simulate(PAPER, RandomModel(PAPER.models, seed=1), spec, seed=0, requests=100)
+    assert {f.model for f in mixed} == set(PAPER.models)
