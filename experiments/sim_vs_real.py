@@ -22,31 +22,25 @@ import numpy as np
 from config import DEFAULT_PATH, load_deployment
 from experiments.live import replay as run_replay
 from experiments.live import server
-from router.evaluate import simulate
-from router.view import ClusterView
+from router.sim import Finished, Simulator
 from workloads import Request
-from workloads.generate import from_trace
-from workloads.traces import TraceRecord
-
-
-class Pinned:
-    """Routes the i-th request where the live gateway sent it."""
-
-    def __init__(self, replicas: list[int]) -> None:
-        self.replicas = replicas
-
-    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        return self.replicas[int(request.request_id.removeprefix("r"))]
 
 
 def compare(live: dict, deployment_name: str, config: Path) -> list[dict[str, float | str]]:
+    """Replays the live requests in the simulator, each at its scheduled arrival with the token
+    counts the engines reported, on the replica the live router chose."""
     deployment = load_deployment(config, deployment_name)
     names = [r.name for r in deployment.replicas]
     done = [o for o in live["requests"] if o["error_kind"] is None]
-    records = [TraceRecord(o["arrival_s"], o["prompt_tokens"], o["output_tokens"]) for o in done]
-    policy = Pinned([names.index(o["replica"]) for o in done])
-    finished = simulate(deployment, policy, from_trace(records), seed=0)
-    by_index = {int(f.request.request_id.removeprefix("r")): f for f in finished}
+    sim = Simulator.from_deployment(deployment)
+    finished: list[Finished] = []
+    for i, o in enumerate(done):
+        finished += sim.advance(o["arrival_s"])
+        request = Request(str(i), o["arrival_s"], "", o["output_tokens"], o["qos_class"],
+                          prompt_tokens=o["prompt_tokens"])  # fmt: skip
+        sim.submit(request, names.index(o["replica"]))
+    finished += sim.drain()
+    by_index = {int(f.request.request_id): f for f in finished}
     rows = []
     for i, o in enumerate(done):
         f = by_index[i]

@@ -92,8 +92,11 @@ def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]
     ratio = reward["dqn", low] / max(1e-9, reward[big, low])
     lines.append(f"DQN / {big} at {low} req/s: {ratio:.3f} (target >= 0.95)")
     fall = next((r for r in rates if reward[big, r] < 0.5), None)
-    holds = [r for r in rates if reward["dqn", r] >= 0.5]
-    top = max(holds) if holds else 0.0
+    top = 0.0  # the highest rate up to which the DQN holds 0.5 at every rate of the sweep
+    for r in rates:
+        if reward["dqn", r] < 0.5:
+            break
+        top = r
     if fall is None:
         lines.append(f"{big} never falls below 0.5 in this sweep")
     else:

@@ -7,13 +7,18 @@ Actions: by default the model tier (index into `deployment.models`), sent to tha
 least-loaded replica as in seed 004; with `action="replica"`, the replica itself.
 
 Rewards arrive late: a request's reward (quality x class weight if it met the SLO, else 0) is
-known only when its last token is out. Each step returns the rewards of every request that
-finished since the previous step, so the return is the total reward the router is judged on, each
-request counted once; the discount (0.99, a horizon of about a hundred requests, several times
-the number in flight at once) carries the credit back to the routing decision. The alternative,
-holding each transition until its own request finishes, does not fit an off-policy replay buffer
-that stores transitions as they happen. Requests still in flight when an episode is cut off are
-left to the bootstrap, as for any truncated episode; evaluation runs them out with `drain()`.
+known only when its last token is out, many steps after it was routed. Two ways to credit it:
+
+- `credit="finish"` (plain gymnasium semantics): each step returns the rewards of every request
+  that finished since the previous step. The return is still the total reward the router is
+  judged on, but an action's own outcome is mixed with those of the ~100 requests in flight.
+- `credit="request"` (what `router.train` uses): each request's reward belongs to the step that
+  routed it. The step returns it if the request already finished; otherwise `info["late_credit"]`
+  carries (step index, reward) pairs when it does, and the trainer adds them to the stored
+  transitions (`router.train.LateCredit`), which sit in a replay buffer of 200,000 for far longer
+  than any request lives. At the end of an episode the requests in flight are run out and
+  credited, so nothing is lost. The load an action puts on later requests still reaches it through
+  the discounted value of the next state.
 
 An episode is a fixed number of requests from one workload drawn at reset; it ends truncated,
 never terminated, because the cluster runs on past it.
@@ -72,6 +77,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         episode_requests: int = 1000,
         action: Literal["model", "replica"] = "model",
         simulator: Callable[[], Simulator] | None = None,
+        credit: Literal["finish", "request"] = "finish",
     ) -> None:
         """`workloads` draws each episode's workload (default: RandomRates over the deployment's
         classes); `simulator` builds a fresh simulator per episode (default: the deployment's)."""
@@ -79,6 +85,10 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.workloads = workloads or RandomRates(classes=tuple(deployment.qos_classes))
         self.episode_requests = episode_requests
         self.action_kind = action
+        self.credit = credit
+        self.steps = 0
+        """Steps taken since the environment was made, across episodes."""
+        self._routed_at: dict[str, int] = {}
         self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
         self.encoder = FeatureEncoder.for_deployment(deployment)
         self.models = deployment.models
@@ -104,6 +114,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.sim = self._new_simulator()
         self.rate = ArrivalRateEstimator()
         self.finished = []
+        self._routed_at = {}
         self._requests: Iterator[Request] = requests(spec, workload_seed, duration, limit)
         obs = self._arrive(next(self._requests, None))
         if obs is None:
@@ -113,13 +124,17 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
     def step(self, action: np.int64 | int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         assert self.sim is not None and self.request is not None, "call reset() first"
         self.sim.submit(self.request, self.replica_for(int(action), self.sim.view()))
+        step = self.steps
+        self._routed_at[self.request.request_id] = step
+        self.steps += 1
         nxt = next(self._requests, None)
         if nxt is None:  # the episode's last observation: the cluster as the last request left it
             obs = self.encoder.encode(self.sim.view(), self.request, self.rate.value(self.sim.now))
-            return obs, 0.0, False, True, {}
+            done = self.drain() if self.credit == "request" else []
+            return obs, *self._credit(done, step, truncated=True)
         before = len(self.finished)
         obs = self._arrive(nxt)
-        return obs, self._reward(self.finished[before:]), False, False, {}
+        return obs, *self._credit(self.finished[before:], step, truncated=False)
 
     def drain(self) -> list[Finished]:
         """After the last step: run the requests still in flight to the end (for evaluation)."""
@@ -148,8 +163,23 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         rate = self.rate.observe(request.arrival)
         return self.encoder.encode(self.sim.view(), request, rate)
 
-    def _reward(self, done: list[Finished]) -> float:
+    def _credit(
+        self, done: list[Finished], step: int, truncated: bool
+    ) -> tuple[float, bool, bool, dict[str, Any]]:
+        """(reward, terminated, truncated, info) for step `step`, whose requests in `done` just
+        finished."""
         reward = self.deployment.reward
-        return float(
-            sum(reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in done)
-        )
+        if self.credit == "finish":
+            total = sum(
+                reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in done
+            )
+            return float(total), False, truncated, {}
+        now, late = 0.0, []
+        for f in done:
+            value = reward(f.request.task, f.model, f.request.qos_class, f.slo_met)
+            at = self._routed_at.pop(f.request.request_id)
+            if at == step:
+                now += value
+            else:
+                late.append((at, value))
+        return now, False, truncated, {"late_credit": late}

@@ -130,16 +130,20 @@ class PrefixHash:
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
         replicas = view.replicas
-        total = sum(r.running for r in replicas)
-        bound = math.ceil((total + 1) / len(replicas) * self.load_factor)
+        available = [r for r in replicas if r.available]
+        if not available:
+            raise ValueError("no replica is available")
+        # The average is over the replicas that can take the request, as KubeAI's group holds
+        # only ready endpoints.
+        total = sum(r.running for r in available)
+        bound = math.ceil((total + 1) / len(available) * self.load_factor)
         start = bisect.bisect(self._hashes, xxhash.xxh64_intdigest(self.key(request).encode()))
         n = len(self._hashes)
         for step in range(n):
             index = self._owners[(start + step) % n]
-            r = replicas[index]
-            if r.available and (total == 0 or r.running + 1 <= bound):
+            if replicas[index].available and replicas[index].running + 1 <= bound:
                 return index
-        return _least_loaded(view)
+        raise AssertionError("unreachable: the least loaded available replica is within bound")
 
 
 class QualityThreshold:
@@ -234,6 +238,8 @@ class DqnPolicy:
             "tasks": list(encoder.tasks),
             "qos_classes": list(encoder.qos_classes),
             "models": deployment.models,
+            "batch_scale": encoder.batch_scale,
+            "rate_scale": encoder.rate_scale,
         }
         for key, want in layout.items():
             if self.meta.get(key) != want:

@@ -109,6 +109,9 @@ class Simulator:
             raise ValueError(f"deployment {deployment.name!r} names no latency profile")
         replicas = [(r.name, r.model, r.device or r.name) for r in deployment.replicas]
         kwargs.setdefault("interference", deployment.profile.interference)
+        seqs = {r.engine_args.get("max_num_seqs") for r in deployment.replicas} - {None}
+        if len(seqs) == 1:  # vLLM's cap on a batch, where the deployment sets one
+            kwargs.setdefault("max_batch", int(seqs.pop()))  # type: ignore[arg-type]
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)  # type: ignore[arg-type]
 
     def view(self) -> ClusterView:

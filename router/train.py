@@ -5,9 +5,9 @@ steps, epsilon-greedy exploration; 1.2 M steps by default, on the deployment's l
 with a random rate each episode (`router.env.RandomRates`).
 
 Writes, under `--logdir` (default results/router/<deployment>/): TensorBoard logs, checkpoints
-with the replay buffer (so `--resume` continues where a run stopped), the monitor CSV and
-learning-curve.png. The trained network goes to `--out` (default router/policies/<deployment>.npz)
-as numpy arrays, the form the gateway routes with.
+with the replay buffer (so `--resume` continues where a run stopped), and the learning curve
+(learning-curve.json and .png). The trained network goes to `--out` (default
+router/policies/<deployment>.npz) as numpy arrays, the form the gateway routes with.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch as th
 import torch.nn.functional as F
 from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
-from stable_baselines3.common.monitor import Monitor
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from router.env import RandomRates, RoutingEnv
@@ -76,9 +75,36 @@ class DoubleDQN(DQN):
         self.logger.record("train/loss", np.mean(losses))
 
 
+class LateCredit(BaseCallback):
+    """Adds each late reward to the stored transition of the step that routed its request
+    (`RoutingEnv(credit="request")`).
+
+    Every step's transition goes into the replay buffer, in order, right after this callback
+    runs; so the step `at` of the environment sits at (position at start + at) modulo the size.
+    A reward for the current step comes as the step's own reward, never late, so the transition
+    it belongs to is always stored before its credit arrives."""
+
+    def __init__(self, env: RoutingEnv) -> None:
+        super().__init__()
+        self.env = env
+
+    def _on_training_start(self) -> None:
+        buffer = self.model.replay_buffer  # type: ignore[attr-defined]
+        # One environment, and credit never older than the buffer: otherwise the mapping breaks.
+        assert self.model.n_envs == 1 and self.env.episode_requests < buffer.buffer_size
+        self.origin = buffer.pos - self.env.steps
+
+    def _on_step(self) -> bool:
+        buffer = self.model.replay_buffer  # type: ignore[attr-defined]
+        for info in self.locals.get("infos", []):
+            for at, reward in info.get("late_credit", ()):
+                buffer.rewards[(self.origin + at) % buffer.buffer_size, 0] += reward
+        return True
+
+
 class Progress(BaseCallback):
     """A tqdm bar showing the mean reward per request of recent episodes, and the learning curve
-    (every finished episode's mean reward per request) for the PNG."""
+    (every finished episode's mean reward per request, late credit included) for the PNG."""
 
     def __init__(self, total: int, episode_requests: int, show: bool = True) -> None:
         super().__init__()
@@ -86,6 +112,7 @@ class Progress(BaseCallback):
         self.show = show
         self.episode_requests = episode_requests
         self.curve: list[tuple[int, float]] = []
+        self._episode = 0.0
 
     def _on_training_start(self) -> None:
         from tqdm import tqdm
@@ -101,9 +128,12 @@ class Progress(BaseCallback):
 
     def _on_step(self) -> bool:
         self.bar.update(1)
-        for info in self.locals.get("infos", []):
-            if "episode" in info:
-                per_request = info["episode"]["r"] / self.episode_requests
+        for info, reward, done in zip(
+            self.locals["infos"], self.locals["rewards"], self.locals["dones"], strict=True
+        ):
+            self._episode += float(reward) + sum(r for _, r in info.get("late_credit", ()))
+            if done:
+                per_request, self._episode = self._episode / self.episode_requests, 0.0
                 self.curve.append((self.num_timesteps, per_request))
                 self.logger.record("rollout/reward_per_request", per_request)
                 recent = np.mean([r for _, r in self.curve[-20:]])
@@ -114,14 +144,28 @@ class Progress(BaseCallback):
         self.bar.close()
 
 
-def make_env(deployment: Deployment, args: argparse.Namespace) -> Monitor:
-    env = RoutingEnv(
+class Checkpoint(CheckpointCallback):
+    """SB3's checkpoints, keeping only the newest replay buffer (each is tens of megabytes)."""
+
+    def _on_step(self) -> bool:
+        result = super()._on_step()
+        buffers = sorted(
+            Path(self.save_path).glob(f"{self.name_prefix}_replay_buffer_*_steps.pkl"),
+            key=lambda p: int(p.stem.split("_")[-2]),
+        )
+        for old in buffers[:-1]:
+            old.unlink()
+        return result
+
+
+def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
+    return RoutingEnv(
         deployment,
         RandomRates(rates=(args.min_rate, args.max_rate), classes=tuple(deployment.qos_classes)),
         episode_requests=args.episode_requests,
         action=args.action,
+        credit="request",
     )
-    return Monitor(env, str(args.logdir / "monitor"))
 
 
 def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, Any]) -> DqnPolicy:
@@ -184,6 +228,10 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
         )
         if buffer.exists():
             model.load_replay_buffer(buffer)
+        else:
+            print(f"warning: no {buffer.name}; the replay buffer starts empty", file=sys.stderr)
+        # The requests in flight at the checkpoint never report back: their few hundred
+        # transitions keep a reward of 0, out of a buffer of 200,000.
         print(f"resuming from {checkpoint} at step {model.num_timesteps}", file=sys.stderr)
     hyperparameters = HYPERPARAMETERS | {"learning_starts": args.learning_starts}
     if checkpoint is None:
@@ -201,10 +249,10 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]  # type: ignore[misc]
-    callbacks = [progress]
+    callbacks: list[BaseCallback] = [LateCredit(env), progress]
     if args.checkpoint_every:
         callbacks.append(
-            CheckpointCallback(
+            Checkpoint(
                 args.checkpoint_every,
                 str(args.logdir / "checkpoints"),
                 name_prefix="dqn",
@@ -226,10 +274,14 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
         "seed": args.seed,
         "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
         "hyperparameters": {k: v for k, v in hyperparameters.items() if k != "policy_kwargs"}
-        | {"net_arch": hyperparameters["policy_kwargs"]["net_arch"], "double_q": True},
+        | {
+            "learning_starts": model.learning_starts,  # a resumed model keeps its own
+            "net_arch": hyperparameters["policy_kwargs"]["net_arch"],
+            "double_q": True,
+        },
         "train_seconds": round(time.monotonic() - start, 1),
     }
-    policy = export(model, deployment, env.unwrapped, meta)  # type: ignore[arg-type]
+    policy = export(model, deployment, env, meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     policy.save(args.out)
     return policy

@@ -52,7 +52,12 @@ async def _token_times(engine: Engine, prompt_tokens: int, tokens: int) -> tuple
     async for delta in engine.generate(request, _GREEDY):
         now = time.monotonic()
         prompt_len = delta.prompt_tokens
-        times += [now] * delta.tokens  # a delta that carries n tokens spans one step per token
+        if times and delta.tokens > 1:
+            # A delta that carries n tokens spans n steps (vLLM merges outputs the reader was too
+            # late for): spread them evenly since the previous one, not n gaps of 0 and one long.
+            times += list(np.linspace(times[-1], now, delta.tokens + 1)[1:])
+        else:
+            times += [now] * delta.tokens
     return times, prompt_len
 
 
@@ -170,7 +175,9 @@ def main() -> int:
         "--name", default=None, help="profile name (default: <deployment>-measured)"
     )
     parser.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument(
+        "--tokens", type=int, default=32, help="output tokens per request (at least 3)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--prefill-lengths", type=_ints, default=[32, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
@@ -183,6 +190,8 @@ def main() -> int:
         deployment = load_deployment(args.config, args.deployment)
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.tokens < 3:
+        parser.error("--tokens must be at least 3: the step is a gap between later tokens")
     name = args.name or f"{deployment.name}-measured"
     profile = asyncio.run(measure(deployment, args))
     text = yaml.safe_dump({name: profile}, sort_keys=False, width=100)

@@ -13,7 +13,7 @@ from router.env import RoutingEnv
 from router.evaluate import mean_reward, simulate, tune_threshold
 from router.features import FeatureEncoder
 from router.policies import DqnPolicy, PrefixHash, RandomModel, Static
-from router.train import build_parser, train
+from router.train import DoubleDQN, LateCredit, build_parser, train
 from router.view import ClusterView, ReplicaState
 from workloads import Message, Request
 from workloads.arrivals import Poisson
@@ -132,3 +132,31 @@ def test_static_and_random_baselines_route_by_model() -> None:
     assert len({f.replica for f in done}) == 4
     mixed = simulate(PAPER, RandomModel(PAPER.models, seed=1), spec, seed=0, requests=100)
     assert {f.model for f in mixed} == set(PAPER.models)
+
+
+class _KeepsEpisodes(RoutingEnv):
+    """Keeps each finished episode's requests: the vectorised wrapper resets an environment
+    before a callback could look at it."""
+
+    def reset(self, **kwargs):  # type: ignore[no-untyped-def, override]
+        if self.sim is not None:
+            self.episodes.append(list(self.finished))
+        return super().reset(**kwargs)
+
+
+def test_late_credit_lands_on_the_transition_that_routed_each_request() -> None:
+    env = _KeepsEpisodes(PAPER, episode_requests=100, credit="request")
+    env.episodes = []
+    model = DoubleDQN("MlpPolicy", env, buffer_size=250, learning_starts=10_000, seed=0)
+    model.learn(total_timesteps=600, callback=LateCredit(env))
+    # Episode e's request "r{i}" was routed at step 100 e + i; step k sits at k mod 250.
+    expected = {}
+    for e, finished in enumerate(env.episodes):
+        for f in finished:
+            k = 100 * e + int(f.request.request_id.removeprefix("r"))
+            expected[k] = PAPER.reward(f.request.task, f.model, f.request.qos_class, f.slo_met)
+    assert len(expected) == 600  # six whole episodes, every request credited
+    rewards = model.replay_buffer.rewards[:, 0]
+    for k in range(350, 600):  # the buffer's 250 newest, after it wrapped around
+        assert rewards[k % 250] == pytest.approx(expected[k], abs=1e-6), k
+    assert sum(expected.values()) > 0
