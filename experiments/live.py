@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,15 +23,23 @@ def _free_port(kind: int) -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class LiveServer:
+    url: str
+    """HTTP/1.1."""
+    h3_port: int
+    """HTTP/3, UDP on 127.0.0.1."""
+
+
 @contextlib.contextmanager
 def server(
     deployment: str, policy: str | None, log: Path, startup_s: float = 300.0
-) -> Iterator[str]:
-    """`python -m serving` on free ports; yields its HTTP/1.1 URL once /healthz answers, and stops
-    it (SIGTERM, then SIGKILL) on the way out. Its log goes to `log`."""
-    port = _free_port(socket.SOCK_STREAM)
+) -> Iterator[LiveServer]:
+    """`python -m serving` on free ports, yielded once /healthz answers, and stopped (SIGTERM,
+    then SIGKILL) on the way out. Its log goes to `log`."""
+    port, h3_port = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_DGRAM)
     command = [sys.executable, "-m", "serving", "--deployment", deployment, "--port", str(port),
-               "--h3-port", str(_free_port(socket.SOCK_DGRAM))]  # fmt: skip
+               "--h3-port", str(h3_port)]  # fmt: skip
     if policy:
         command += ["--policy", policy]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +57,7 @@ def server(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {startup_s:g} s; see {log}")
             time.sleep(0.5)
-        yield url
+        yield LiveServer(url, h3_port)
     finally:
         process.terminate()
         try:

@@ -34,8 +34,8 @@ def main() -> int:
     rows = []
     for policy in args.policies:
         log = args.results / f"prefix_aware-{policy}-server.log"
-        with server(args.deployment, policy, log) as url:
-            record = replay(url, args.results / f"prefix_aware-{policy}.json", *flags)
+        with server(args.deployment, policy, log) as live:
+            record = replay(live.url, args.results / f"prefix_aware-{policy}.json", *flags)
         s = record["summary"]
         rows.append({
             "policy": policy, "sent": s["sent"], "completed": s["completed"],

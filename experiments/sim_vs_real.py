@@ -99,8 +99,8 @@ def main() -> int:
     if args.url:
         live = run_replay(args.url, out, *flags)
     else:
-        with server(args.deployment, None, args.results / "sim_vs_real-server.log") as url:
-            live = run_replay(url, out, *flags)
+        with server(args.deployment, None, args.results / "sim_vs_real-server.log") as live_server:
+            live = run_replay(live_server.url, out, *flags)
     rows = compare(live, args.deployment, args.config)
     with open(args.results / "sim_vs_real.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

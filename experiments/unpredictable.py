@@ -36,6 +36,13 @@ def main() -> int:
     parser.add_argument("--policy-file", type=Path, help="default: router/policies/<dep>.npz")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds per seed")
     parser.add_argument("--mean-level-s", type=float, default=10.0)
+    parser.add_argument(
+        "--levels",
+        type=lambda text: tuple(float(v) for v in text.split(",")),
+        default=None,
+        help="rates to switch among, req/s (default: SwitchingRate's, 0.25 to 48)",
+    )
+    parser.add_argument("--tag", default="", help="suffix for the output files")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -45,7 +52,11 @@ def main() -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     policies = baselines(deployment, args.results, args.policy_file)
-    arrivals = SwitchingRate(mean_duration_s=args.mean_level_s)
+    arrivals = (
+        SwitchingRate(levels=args.levels, mean_duration_s=args.mean_level_s)
+        if args.levels
+        else SwitchingRate(mean_duration_s=args.mean_level_s)
+    )
     spec = WorkloadSpec(arrivals=arrivals)
     keys = [f"{t:.2f}" for t in WINDOW_THRESHOLDS]
     rows: list[dict[str, object]] = []
@@ -65,7 +76,7 @@ def main() -> int:
                     traces[name] = np.asarray(summary["windows"]["mean_reward"])
                 bar.update(1)
     args.results.mkdir(parents=True, exist_ok=True)
-    stem = args.results / f"unpredictable-{deployment.name}"
+    stem = args.results / f"unpredictable-{deployment.name}{args.tag}"
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -79,6 +90,7 @@ def main() -> int:
         for name in policies
     }
     big = f"{deployment.models[-1]}-only"
+    print(f"levels {arrivals.levels} req/s, mean {args.mean_level_s:g} s each")
     print(f"windows of {args.window} requests, summed over {args.seeds} seeds of "
           f"{args.duration:g} s; mean reward is the mean over seeds (+- std)")  # fmt: skip
     print(f"{'policy':>16} {'reward':>14} " + " ".join(f"{'>=' + k:>8}" for k in keys))

@@ -76,6 +76,31 @@ def mean_reward(deployment: Deployment, finished: Sequence[Finished]) -> float:
     return total / len(finished)
 
 
+def training_workloads(
+    deployment: Deployment, episodes: int, seed: int
+) -> list[tuple[WorkloadSpec, int]]:
+    """(workload, its seed) for `episodes` episodes like the training ones (RandomRates)."""
+    rng = np.random.default_rng(seed)
+    sampler = RandomRates(classes=tuple(deployment.qos_classes))
+    return [(sampler(rng), int(rng.integers(2**31))) for _ in range(episodes)]
+
+
+VALIDATION_SEED = 10_000
+"""Validation workloads are drawn from their own seed, apart from tuning's (0) and training's."""
+
+
+def validation_reward(
+    deployment: Deployment, policy: Policy, episodes: int = 6, episode_requests: int = 1000
+) -> float:
+    """Mean reward per request on fixed training-like workloads, to pick among checkpoints."""
+    finished = [
+        f
+        for spec, seed in training_workloads(deployment, episodes, VALIDATION_SEED)
+        for f in simulate(deployment, policy, spec, seed, requests=episode_requests)
+    ]
+    return mean_reward(deployment, finished)
+
+
 @dataclass(frozen=True)
 class TuneResult:
     thresholds: dict[str, int]
@@ -102,9 +127,7 @@ def tune_threshold(
         deployment.models, key=lambda m: -np.mean([row[m] for row in deployment.quality.values()])
     )
     tuned = ranked[:-1]
-    rng = np.random.default_rng(seed)
-    sampler = RandomRates(classes=tuple(deployment.qos_classes))
-    workloads = [(sampler(rng), int(rng.integers(2**31))) for _ in range(episodes)]
+    workloads = training_workloads(deployment, episodes, seed)
     table = []
     for values in itertools.product(grid, repeat=len(tuned)):
         thresholds = dict(zip(tuned, values, strict=True))

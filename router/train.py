@@ -28,6 +28,7 @@ from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from router.env import RandomRates, RoutingEnv
+from router.evaluate import validation_reward
 from router.policies import DqnPolicy
 
 HYPERPARAMETERS: dict[str, Any] = {
@@ -158,6 +159,32 @@ class Checkpoint(CheckpointCallback):
         return result
 
 
+class BestPolicy(BaseCallback):
+    """Every `every` steps, the greedy policy's mean reward on fixed validation workloads
+    (`router.evaluate.validation_reward`); the best one is what training ships, as SB3's
+    EvalCallback keeps a best model. DQN's greedy policy can get worse with more training (it
+    did here: see the README), so the last network is not necessarily the one to route with."""
+
+    def __init__(self, deployment: Deployment, env: RoutingEnv, every: int) -> None:
+        super().__init__()
+        self.deployment, self.env, self.every = deployment, env, every
+        self.evaluations: list[tuple[int, float]] = []
+        self.best: tuple[float, int, DqnPolicy] | None = None
+
+    def _on_step(self) -> bool:
+        if self.every and self.num_timesteps % self.every == 0:
+            self.evaluate()
+        return True
+
+    def evaluate(self) -> None:
+        policy = export(self.model, self.deployment, self.env, {})  # type: ignore[arg-type]
+        reward = validation_reward(self.deployment, policy)
+        self.evaluations.append((self.num_timesteps, reward))
+        self.logger.record("eval/validation_reward", reward)
+        if self.best is None or reward > self.best[0]:
+            self.best = (reward, self.num_timesteps, policy)
+
+
 def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
     return RoutingEnv(
         deployment,
@@ -188,7 +215,12 @@ def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, 
     )
 
 
-def plot_curve(curve: list[tuple[int, float]], path: Path, title: str) -> None:
+def plot_curve(
+    curve: list[tuple[int, float]],
+    path: Path,
+    title: str,
+    evaluations: list[tuple[int, float]] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,6 +233,8 @@ def plot_curve(curve: list[tuple[int, float]], path: Path, title: str) -> None:
         k = max(1, len(rewards) // 50)
         smooth = np.convolve(rewards, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1 :], smooth, label=f"mean of {k}")
+    if evaluations:
+        ax.plot(*zip(*evaluations, strict=True), "ko-", label="greedy, validation workloads")
     ax.set(xlabel="training step (requests routed)", ylabel="mean reward per request", title=title)
     ax.legend()
     fig.tight_layout()
@@ -249,7 +283,8 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]  # type: ignore[misc]
-    callbacks: list[BaseCallback] = [LateCredit(env), progress]
+    best = BestPolicy(deployment, env, args.eval_every)
+    callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
     if args.checkpoint_every:
         callbacks.append(
             Checkpoint(
@@ -266,25 +301,86 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
         reset_num_timesteps=checkpoint is None,
         tb_log_name="dqn",
     )
+    if not best.evaluations or best.evaluations[-1][0] != model.num_timesteps:
+        best.evaluate()  # the final network competes too
     curve_file.write_text(json.dumps(progress.curve))
-    plot_curve(progress.curve, args.logdir / "learning-curve.png", f"DQN router, {deployment.name}")
+    plot_curve(progress.curve, args.logdir / "learning-curve.png",
+               f"DQN router, {deployment.name}", best.evaluations)  # fmt: skip
+    assert best.best is not None
+    validation, chosen_step, chosen = best.best
     meta = {
         "deployment": deployment.name,
         "steps": int(model.num_timesteps),
         "seed": args.seed,
-        "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
-        "hyperparameters": {k: v for k, v in hyperparameters.items() if k != "policy_kwargs"}
-        | {
-            "learning_starts": model.learning_starts,  # a resumed model keeps its own
-            "net_arch": hyperparameters["policy_kwargs"]["net_arch"],
-            "double_q": True,
-        },
+        "command": _command(),
+        # A resumed model keeps its own learning_starts.
+        "hyperparameters": _hyperparameters(
+            hyperparameters | {"learning_starts": model.learning_starts}
+        ),
         "train_seconds": round(time.monotonic() - start, 1),
+        "selected_step": chosen_step,
+        "validation_reward": round(validation, 4),
+        "validation": best.evaluations,
     }
-    policy = export(model, deployment, env, meta)
+    policy = DqnPolicy(chosen.layers, chosen.meta | meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     policy.save(args.out)
     return policy
+
+
+def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
+    """Validate every checkpoint of a finished run and save the best: for a run made before
+    training validated its own networks, or with --eval-every 0."""
+    env = make_env(deployment, args)
+    found = sorted(
+        (args.logdir / "checkpoints").glob("dqn_*_steps.zip"),
+        key=lambda p: int(p.stem.split("_")[-2]),
+    )
+    if not found:
+        raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
+    evaluations, best = [], None
+    for path in found:
+        policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
+        step = int(path.stem.split("_")[-2])
+        reward = validation_reward(deployment, policy)
+        evaluations.append((step, reward))
+        print(f"step {step:>9}: validation reward {reward:.4f}", file=sys.stderr)
+        if best is None or reward > best[0]:
+            best = (reward, step, policy)
+    assert best is not None
+    reward, step, policy = best
+    meta = {
+        "deployment": deployment.name,
+        "steps": evaluations[-1][0],
+        "seed": args.seed,
+        "command": _command(),
+        "hyperparameters": _hyperparameters(
+            HYPERPARAMETERS | {"learning_starts": args.learning_starts}
+        ),
+        "selected_step": step,
+        "validation_reward": round(reward, 4),
+        "validation": evaluations,
+    }
+    policy = DqnPolicy(policy.layers, policy.meta | meta)
+    curve_file = args.logdir / "learning-curve.json"
+    if curve_file.exists():
+        curve = [tuple(p) for p in json.loads(curve_file.read_text())]
+        plot_curve(curve, args.logdir / "learning-curve.png",  # type: ignore[arg-type]
+                   f"DQN router, {deployment.name}", evaluations)  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    policy.save(args.out)
+    return policy
+
+
+def _command() -> str:
+    return " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])])
+
+
+def _hyperparameters(hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in hyperparameters.items() if k != "policy_kwargs"} | {
+        "net_arch": hyperparameters["policy_kwargs"]["net_arch"],
+        "double_q": True,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, default=100_000, help="0: never")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--pick-best",
+        action="store_true",
+        help="train nothing: validate the checkpoints in --logdir and save the best to --out",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=100_000,
+        help="steps between validations; the best validated network is saved (0: the last)",
+    )
     return parser
 
 
@@ -330,8 +437,11 @@ def main() -> int:
     package = Path(__file__).resolve().parent
     args.out = args.out or package / "policies" / f"{deployment.name}.npz"
     args.logdir = args.logdir or Path("results") / "router" / deployment.name
-    policy = train(args, deployment)
-    print(f"wrote {args.out} ({policy.meta['steps']} steps, {policy.meta['train_seconds']} s)")
+    policy = pick_checkpoint(args, deployment) if args.pick_best else train(args, deployment)
+    print(
+        f"wrote {args.out} (step {policy.meta['selected_step']} of {policy.meta['steps']}, "
+        f"validation reward {policy.meta['validation_reward']})"
+    )
     return 0
 
 

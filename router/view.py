@@ -4,10 +4,14 @@ or from the simulator."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ReplicaState:
+class ReplicaState(NamedTuple):
+    """A tuple, not a frozen dataclass: the gateway builds one per replica for every request it
+    routes, and frozen dataclasses took 28 us for twelve replicas against 12 us for these, a
+    large part of a routing decision's 50 us budget."""
+
     name: str
     model: str
     running: int

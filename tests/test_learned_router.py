@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -15,6 +16,7 @@ from router.features import FeatureEncoder
 from router.policies import DqnPolicy, PrefixHash, RandomModel, Static
 from router.train import DoubleDQN, LateCredit, build_parser, train
 from router.view import ClusterView, ReplicaState
+from tests.conftest import ROOT, Server, wait_until
 from workloads import Message, Request
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
@@ -160,3 +162,28 @@ def test_late_credit_lands_on_the_transition_that_routed_each_request() -> None:
     for k in range(350, 600):  # the buffer's 250 newest, after it wrapped around
         assert rewards[k % 250] == pytest.approx(expected[k], abs=1e-6), k
     assert sum(expected.values()) > 0
+
+
+def test_the_shipped_policy_routes_live_requests(server: Server) -> None:
+    """The embedded deployment names its trained policy; a request with model "auto" goes to the
+    model that policy picks for the gateway's own observation: idle replicas, the request's task
+    and class, and the rate estimate the gateway exposes."""
+    embedded = load_deployment(ROOT / "models.yaml", "embedded")
+    assert embedded.policy.name == "dqn"
+    policy = DqnPolicy.load(embedded.policy.path or "")
+    policy.check_fits(embedded)
+    encoder = FeatureEncoder.for_deployment(embedded)
+    idle = ClusterView(tuple(ReplicaState(r.name, r.model, 0, True) for r in embedded.replicas))
+    for task in embedded.tasks:
+        wait_until(lambda: all(
+            server.metric("serving_replica_in_flight", replica=r.name, model=r.model) == 0
+            for r in embedded.replicas
+        ), what="idle replicas")  # fmt: skip
+        body = {"model": "auto", "task": task, "max_tokens": 2, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Which is heavier?"}]}  # fmt: skip
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        rate = server.metric("serving_router_arrival_rate")
+        request = Request("x", 0.0, (Message("user", "?"),), 2, "free-tier", task=task)
+        chosen = policy.choose(encoder.encode(idle, request, rate), request, idle)
+        assert response.json()["model"] == embedded.replicas[chosen].model
