@@ -95,6 +95,7 @@ class Session:
     datagram_bytes: int = 0
     stream_bytes: int = 0
     wire_before: int = 0
+    died: bool = False
 
     def run(self, timeout: float = 600.0) -> None:
         client_config = QuicConfiguration(
@@ -131,7 +132,12 @@ class Session:
             ],
             end_stream=True,
         )
-        self.path.run(until=lambda: self.receiver.next_position >= self.count, timeout=timeout)
+        try:
+            self.path.run(until=lambda: self.receiver.next_position >= self.count, timeout=timeout)
+        except (RuntimeError, TimeoutError):
+            # Under long bursts QUIC's backed-off probes can go unanswered past its idle timeout
+            # and the connection dies: the session ends there, its missing tokens never shown.
+            self.died = True
         self.end = self.path.now
 
     def _on_event(self, connection: QuicConnection, event: QuicEvent, now: float) -> None:
@@ -215,15 +221,19 @@ class Session:
 
     def metrics(self) -> dict[str, float]:
         rendered = self.receiver.render_times()
-        end = max(rendered[-1], self.generated[-1])
+        missing = len(self.generated) - len(rendered)
+        # A session that died waits from its last render to its end: that wait is a stall too.
+        shown = rendered + [self.end] * (missing > 0)
+        end = max(shown[-1], self.generated[-1])
         wire = self.path.bytes_sent[1] - self.wire_before
         return {
-            "stall_ratio": stall_ratio(rendered, end, session_start=self.generated[0]),
-            "late_share": late_share(self.generated, rendered),
+            "stall_ratio": stall_ratio(shown, end, session_start=self.generated[0]),
+            "late_share": late_share(self.generated, [*rendered, *[None] * missing]),
+            "died": float(self.died),
             "wire_redundancy": (wire - self.token_bytes) / self.token_bytes,
             "payload_redundancy": (self.stream_bytes + self.datagram_bytes - self.token_bytes)
             / self.token_bytes,
-            "mean_delay_s": float(np.mean(np.subtract(rendered, self.generated))),
+            "mean_delay_s": float(np.mean(np.subtract(rendered, self.generated[: len(rendered)]))),
             "losses": sum(self.path.losses),
         }
 
@@ -289,14 +299,17 @@ def main() -> int:
 
 
 def report(rows: list[dict], cases: list[tuple[str, float]], schemes: list[str]) -> dict:
-    keys = ("stall_ratio", "late_share", "payload_redundancy", "wire_redundancy")
+    keys = ("stall_ratio", "late_share", "payload_redundancy", "wire_redundancy", "died")
     summary = {}
     for pattern, rtt in cases:
         print(
             f"\n{pattern} loss ({LOSS_PATTERNS[pattern].mean_loss:.0%} mean), RTT "
             f"{rtt * 1000:.0f} ms: means over sessions"
         )
-        print(f"{'scheme':>10} {'stall':>8} {'late':>8} {'redund. payload':>16} {'wire':>8}")
+        print(
+            f"{'scheme':>10} {'stall':>8} {'late':>8} {'redund. payload':>16} {'wire':>8} "
+            f"{'died':>6}"
+        )
         for scheme in schemes:
             group = [r for r in rows if r["pattern"] == pattern and r["rtt_ms"] == int(rtt * 1000)
                      and r["scheme"] == scheme]  # fmt: skip
@@ -304,7 +317,8 @@ def report(rows: list[dict], cases: list[tuple[str, float]], schemes: list[str])
             summary[pattern, rtt, scheme] = means
             print(
                 f"{scheme:>10} {means['stall_ratio']:>8.2%} {means['late_share']:>8.2%} "
-                f"{means['payload_redundancy']:>16.2f} {means['wire_redundancy']:>8.2f}"
+                f"{means['payload_redundancy']:>16.2f} {means['wire_redundancy']:>8.2f} "
+                f"{means['died']:>6.0%}"
             )
         if {"stream", "eloquent"} <= set(schemes):
             el = summary[pattern, rtt, "eloquent"]

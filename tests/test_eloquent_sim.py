@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments.eloquent_sim import SCHEMES, Session, tokens
-from transport.simlink import GilbertElliott, LinkConfig, _Direction
+from transport.simlink import GilbertElliott, LinkConfig, LinkDirection
 from transport.tls import ensure_certificate
 
 
@@ -20,7 +20,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_gilbert_elliott_loses_its_mean_share_in_bursts() -> None:
     bursts = GilbertElliott()  # good 1 s, lossy 0.2 s at 90%
     assert bursts.mean_loss == pytest.approx(0.15)
-    direction = _Direction(LinkConfig(rate_bps=1e12, bursts=bursts), random.Random(7))
+    direction = LinkDirection(LinkConfig(rate_bps=1e12, bursts=bursts), random.Random(7))
     lost = [direction.admit(100, t * 0.01) is None for t in range(200_000)]  # 2,000 s
     assert sum(lost) / len(lost) == pytest.approx(0.15, abs=0.02)
     runs = [n for n in _runs(lost) if n > 1]

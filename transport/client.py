@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from aioquic.asyncio import connect
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
@@ -28,6 +28,7 @@ from transport.connection import (
     StreamExpired,
     adopt,
 )
+from transport.eloquent import EloquentFormatError, EloquentReceiver, SseEvents
 from transport.schedulers import StreamSpec
 
 
@@ -46,6 +47,8 @@ class Response:
     headers: dict[str, str]
     _client: Http3Client
     _chunks: asyncio.Queue[bytes | StreamError | None]
+    lane: EloquentLane | None = None
+    """Set when the response carries Eloquent datagrams: its receiver has the render times."""
     _done: bool = False
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
@@ -84,6 +87,60 @@ class Response:
 class _Pending:
     headers: asyncio.Future[list[tuple[bytes, bytes]]]
     chunks: asyncio.Queue[bytes | StreamError | None] = field(default_factory=asyncio.Queue)
+    lane: EloquentLane | None = None
+
+
+class EloquentLane:
+    """The receiving end of Eloquent for one response (`transport.eloquent`, Algorithm 2).
+
+    Events of the event stream arrive by the stream and by datagrams; the response's body is
+    the longest contiguous run of events from whichever came first, so a reader sees the same
+    bytes as without Eloquent, only sooner. Every datagram is acknowledged by a datagram."""
+
+    def __init__(self, protocol: _ClientProtocol, stream_id: int, chunks: asyncio.Queue) -> None:
+        self.protocol = protocol
+        self.stream_id = stream_id
+        self.receiver = EloquentReceiver()
+        self.active = False
+        """The response said it carries Eloquent; until then, rendered events wait."""
+        self._events = SseEvents()
+        self._chunks = chunks
+        self.streamed = 0
+        """Events the stream has delivered so far."""
+        self._emitted = 0
+        self._loop = asyncio.get_running_loop()
+
+    def stream(self, data: bytes) -> None:
+        now = self._loop.time()
+        for event in self._events.feed(data):
+            ack = self.receiver.on_stream_delta(self.streamed, event, now)
+            self.streamed += 1
+            if ack is not None:
+                self._ack(ack)
+        self._emit()
+
+    def datagram(self, payload: bytes) -> None:
+        try:
+            ack = self.receiver.on_datagram(payload, self._loop.time())
+        except EloquentFormatError:
+            return  # the stream will deliver it
+        self._ack(ack)
+        self._emit()
+
+    def end(self) -> None:
+        if rest := self._events.rest():  # a body that did not end on an event boundary
+            self._chunks.put_nowait(rest)
+
+    def _ack(self, payload: bytes) -> None:
+        self.protocol.h3.send_datagram(self.stream_id, payload)
+        self.protocol.transmit_soon()
+
+    def _emit(self) -> None:
+        if not self.active:
+            return
+        while self._emitted < self.receiver.next_position:
+            self._chunks.put_nowait(self.receiver.text_of(self._emitted).encode())
+            self._emitted += 1
 
 
 class _ClientProtocol(CoalescingProtocol):
@@ -116,12 +173,25 @@ class _ClientProtocol(CoalescingProtocol):
         pending = self.pending.get(event.stream_id) if hasattr(event, "stream_id") else None
         if pending is None:
             return
+        lane = pending.lane
         if isinstance(event, HeadersReceived):
+            if lane is not None and (b"x-eloquent", b"1") in event.headers:
+                lane.active = True
+                lane.stream(b"")  # events that datagrams delivered before the headers
+            else:
+                pending.lane = lane = None
             if not pending.headers.done():
                 pending.headers.set_result(event.headers)
         elif isinstance(event, DataReceived):
-            pending.chunks.put_nowait(event.data)
+            if lane is not None:
+                lane.stream(event.data)
+            else:
+                pending.chunks.put_nowait(event.data)
+        elif isinstance(event, DatagramReceived) and lane is not None:
+            lane.datagram(event.data)
         if getattr(event, "stream_ended", False):
+            if lane is not None:
+                lane.end()
             pending.chunks.put_nowait(None)
             self.pending.pop(event.stream_id, None)
 
@@ -211,15 +281,20 @@ class Http3Client:
         headers: Mapping[str, str] | None = None,
         body: bytes = b"",
         spec: StreamSpec | None = None,
+        eloquent: bool = False,
     ) -> Response:
         """Send a request on a new stream and wait for the response headers.
-        `spec` tags the stream for this connection's scheduler."""
+        `spec` tags the stream for this connection's scheduler. `eloquent` asks for the body's
+        events in datagrams too (`x-eloquent: 1`); `Response.lane` then has the receiver."""
         protocol = self.protocol
         quic = protocol.quic
         stream_id = quic.get_next_available_stream_id()
         if spec is not None:
             quic.set_stream_spec(stream_id, spec)
         pending = _Pending(asyncio.get_running_loop().create_future())
+        if eloquent:
+            pending.lane = EloquentLane(protocol, stream_id, pending.chunks)
+            headers = {**(headers or {}), "x-eloquent": "1"}
         protocol.pending[stream_id] = pending
         fields = [
             (b":method", method.encode()),
@@ -238,7 +313,7 @@ class Http3Client:
             raise
         named = {k.decode(): v.decode() for k, v in raw}
         status = int(named.pop(":status", "0"))
-        return Response(stream_id, status, named, self, pending.chunks)
+        return Response(stream_id, status, named, self, pending.chunks, pending.lane)
 
     def _cancel(self, stream_id: int) -> None:
         protocol = self._protocol
@@ -279,8 +354,10 @@ async def stream_chat(
     on_token: Callable[[str], None] | None = None,
     spec: StreamSpec | None = None,
     extra: Mapping[str, Any] | None = None,
+    eloquent: bool = False,
 ) -> ChatResult:
-    """One streamed chat completion; TTFT and inter-token gaps are taken at the client."""
+    """One streamed chat completion; TTFT and inter-token gaps are taken at the client, when
+    the text can be shown (with `eloquent`, from whichever path delivered it first)."""
     loop = asyncio.get_running_loop()
     body = {
         "model": model,
@@ -297,6 +374,7 @@ async def stream_chat(
         {"content-type": "application/json", **(headers or {})},
         json.dumps(body).encode(),
         spec,
+        eloquent,
     )
     result = ChatResult("", response.headers.get("x-model"), response.headers.get("x-replica"),
                         response.status, None, [])  # fmt: skip
@@ -384,6 +462,7 @@ async def _chat_cli(args: Any) -> int:
             max_tokens=args.max_tokens,
             headers=headers,
             on_token=lambda token: print(token, end="", flush=True),
+            eloquent=args.eloquent,
         )
     print()
     if result.error:
@@ -414,6 +493,11 @@ def main() -> int:
     parser.add_argument("--cacert", help="trust this certificate (the server's .certs/cert.pem)")
     parser.add_argument(
         "--insecure", action="store_true", help="accept any certificate (self-signed servers)"
+    )
+    parser.add_argument(
+        "--eloquent",
+        action="store_true",
+        help="ask for tokens in datagrams too, rendered from whichever path is first",
     )
     return asyncio.run(_chat_cli(parser.parse_args()))
 

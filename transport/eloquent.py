@@ -56,6 +56,7 @@ __all__ = [
     "ReceiverStats",
     "RenderEvent",
     "SenderStats",
+    "SseEvents",
     "TokenEntry",
     "Tokens",
     "decode_message",
@@ -349,6 +350,11 @@ class EloquentSender:
         return sorted({position for position, _ in self._unacked})
 
     @property
+    def finished(self) -> bool:
+        """`finish()` was called: no batch follows."""
+        return self._finished
+
+    @property
     def done(self) -> bool:
         """Finished and everything acknowledged, or closed: nothing will be sent again."""
         return self._closed or (self._finished and not self._unacked)
@@ -527,6 +533,10 @@ class EloquentReceiver:
         """When each position became renderable, by position."""
         return [event.time for event in self.events]
 
+    def text_of(self, position: int) -> str:
+        """The rendered text of one position (below `next_position`)."""
+        return self._texts[position]
+
     def on_datagram(self, payload: bytes, now: float) -> bytes:
         """Take a TOKENS payload; return the ACK payload to send back.
 
@@ -623,6 +633,26 @@ class EloquentReceiver:
         self.stats.acks += 1
         self.stats.ack_bytes += len(payload)
         return payload
+
+
+class SseEvents:
+    """Cuts a text/event-stream body into whole events, each with its blank-line terminator.
+
+    Both ends of an HTTP/3 response cut its body here, so position n names the same bytes on
+    the server's datagrams and in the client's copy of the stream, however QUIC split the
+    stream into frames."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._pending += data
+        *events, self._pending = self._pending.split(b"\n\n")
+        return [event + b"\n\n" for event in events]
+
+    def rest(self) -> bytes:
+        """What follows the last whole event (empty for a well-formed stream)."""
+        return self._pending
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from urllib.parse import unquote
 from aioquic.asyncio import serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
@@ -39,6 +39,7 @@ from transport.connection import (
     StreamExpired,
     adopt,
 )
+from transport.eloquent import EloquentFormatError, EloquentSender, SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.schedulers import StreamSpec
 
@@ -49,6 +50,11 @@ Classify = Callable[[Mapping[str, str], float], StreamSpec]
 """Headers (lower-case names) and the arrival time -> the stream's scheduling tag."""
 
 SERVER_HEADER = b"qos-llm-serving"
+ELOQUENT_HEADER = b"x-eloquent"
+"""A request asks for Eloquent datagrams with `x-eloquent: 1`; a response that has them (an
+event stream, over HTTP/3 with datagrams on) says so with the same header."""
+ELOQUENT_REPEATS = 9
+"""Earlier unacknowledged events per datagram beside the new one: seed 002's 10 a packet."""
 
 
 @dataclass
@@ -138,6 +144,8 @@ class _Http3Protocol(CoalescingProtocol):
         self._settings = server.settings
         self._h3: H3Connection | None = None
         self._requests: dict[int, _RequestStream] = {}
+        self.lanes: dict[int, _EloquentLane] = {}
+        """Eloquent senders by stream; they outlive their request until everything is acked."""
         self.blocked_writers: set[_RequestStream] = set()
         # aioquic has no setting for it; the Limit object has been there since 1.0.
         quic._local_max_streams_bidi.value = self._settings.max_streams
@@ -154,10 +162,15 @@ class _Http3Protocol(CoalescingProtocol):
             request = self._requests.pop(event.stream_id, None)
             if request is not None:
                 request.disconnect()
+            lane = self.lanes.get(event.stream_id)
+            if lane is not None:
+                lane.close()
         elif isinstance(event, ConnectionTerminated):
             for request in self._requests.values():
                 request.disconnect()
             self._requests.clear()
+            for lane in list(self.lanes.values()):
+                lane.close()
         if self._h3 is not None:
             try:
                 h3_events = self._h3.handle_event(event)
@@ -182,6 +195,10 @@ class _Http3Protocol(CoalescingProtocol):
             request = self._requests.get(event.stream_id)
             if request is not None:
                 request.body_received(event.data, event.stream_ended)
+        elif isinstance(event, DatagramReceived):
+            lane = self.lanes.get(event.stream_id)
+            if lane is not None:
+                lane.ack(event.data)
 
     def _start_request(self, event: HeadersReceived) -> None:
         pseudo: dict[bytes, bytes] = {}
@@ -214,6 +231,7 @@ class _Http3Protocol(CoalescingProtocol):
             "extensions": {},
         }
         request = _RequestStream(self, event.stream_id, scope)
+        request.wants_eloquent = dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true")
         self._requests[event.stream_id] = request
         if event.stream_ended:
             request.body_received(b"", True)
@@ -249,6 +267,8 @@ class _RequestStream:
     _finished: bool = False
     _response: tuple[int, list[tuple[bytes, bytes]]] | None = None
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
+    wants_eloquent: bool = False
+    _lane: _EloquentLane | None = None
 
     async def run(self, app: ASGIApp) -> None:
         try:
@@ -288,6 +308,8 @@ class _RequestStream:
 
     def disconnect(self) -> None:
         self._disconnected = True
+        if self._lane is not None:
+            self._lane.close()
         self._body.put_nowait({"type": "http.disconnect"})
         self._drained.set()
 
@@ -305,13 +327,21 @@ class _RequestStream:
             return  # as uvicorn: the app learns of the disconnect from receive()
         kind = message["type"]
         if kind == "http.response.start":
-            self._response = (int(message["status"]), list(message.get("headers", [])))
+            status, headers = int(message["status"]), list(message.get("headers", []))
+            content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
+            if self.wants_eloquent and content_type.startswith(b"text/event-stream"):
+                self._lane = _EloquentLane(self.protocol, self.stream_id)
+                headers.append((ELOQUENT_HEADER, b"1"))
+            self._response = (status, headers)
         elif kind == "http.response.body":
             if not self._started:
                 assert self._response is not None, "http.response.body before start"
                 self._send_headers(*self._response)
             more = bool(message.get("more_body", False))
-            self._write(message.get("body", b""), end_stream=not more)
+            body = message.get("body", b"")
+            self._write(body, end_stream=not more)
+            if self._lane is not None and not self._disconnected:
+                self._lane.body(body, ended=not more)
             while more and self._buffered() > self.protocol._settings.high_water:
                 self._drained.clear()
                 self.protocol.blocked_writers.add(self)
@@ -357,3 +387,66 @@ class _RequestStream:
             return 0
         # aioquic keeps no public count of a stream's unacknowledged bytes.
         return stream.sender._buffer_stop - stream.sender._buffer_start
+
+
+class _EloquentLane:
+    """Eloquent datagrams beside one response stream (`transport.eloquent`), on the event loop.
+
+    Each whole event of the event stream is one position: it goes out in a datagram with the
+    earlier unacknowledged events, and again on the sender's timer until the client acknowledges
+    it. The stream itself is untouched, so the datagrams can only make the text arrive earlier."""
+
+    def __init__(self, protocol: _Http3Protocol, stream_id: int) -> None:
+        self.protocol = protocol
+        self.stream_id = stream_id
+        self.sender = EloquentSender(max_repeats=ELOQUENT_REPEATS)
+        self.events = SseEvents()
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        protocol.lanes[stream_id] = self
+
+    def body(self, data: bytes, ended: bool) -> None:
+        if self.sender.done:  # closed under us (a reset); the stream alone carries the rest
+            return
+        now = self._loop.time()
+        for event in self.events.feed(data):
+            self._send(self.sender.on_tokens(event, now))
+        if ended:
+            self.sender.finish()
+        self._arm()
+
+    def ack(self, payload: bytes) -> None:
+        try:
+            self.sender.on_ack(payload, self._loop.time())
+        except EloquentFormatError as exc:  # a confused client; the stream still delivers
+            logger.info("bad Eloquent ACK on stream %d: %s", self.stream_id, exc)
+            return
+        self._arm()
+
+    def close(self) -> None:
+        self.sender.close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.protocol.lanes.pop(self.stream_id, None)
+
+    def _send(self, payloads: list[bytes]) -> None:
+        for payload in payloads:
+            self.protocol.h3.send_datagram(self.stream_id, payload)
+        if payloads:
+            self.protocol.transmit_soon()
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        due = self.sender.timer()
+        if self.sender.done or (due is None and self.sender.finished):
+            self.close()
+        elif due is not None:
+            self._timer = self._loop.call_at(due, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._send(self.sender.on_timer(self._loop.time()))
+        self._arm()

@@ -62,7 +62,7 @@ class LinkConfig:
 
 
 @dataclass
-class _Direction:
+class LinkDirection:
     config: LinkConfig
     rng: random.Random
     busy_until: float = 0.0
@@ -71,14 +71,16 @@ class _Direction:
     sent: int = 0
     bytes_sent: int = 0
     bad: bool = False
-    slot: int = 0
-    """The Gilbert-Elliott chain's current slot."""
+    slot: int | None = None
+    """The Gilbert-Elliott chain's current slot; it starts good, at the first packet."""
 
     def _lost(self, now: float) -> bool:
         bursts = self.config.bursts
         if bursts is None:
             return self.rng.random() < self.config.loss
         slot = int(now / bursts.slot_s)
+        if self.slot is None:  # live clocks start anywhere
+            self.slot = slot
         for _ in range(slot - self.slot):  # one transition per slot boundary crossed
             leave = bursts.slot_s / (bursts.bad_s if self.bad else bursts.good_s)
             if self.rng.random() < leave:
@@ -118,8 +120,8 @@ class SimulatedPath:
         self.config = config
         self.on_event = on_event
         rng = random.Random(config.seed)
-        self._up = _Direction(config, random.Random(rng.random()))
-        self._down = _Direction(config, random.Random(rng.random()))
+        self._up = LinkDirection(config, random.Random(rng.random()))
+        self._down = LinkDirection(config, random.Random(rng.random()))
         self._in_flight: list[tuple[float, int, QuicConnection, bytes, tuple[str, int]]] = []
         self._calls: list[tuple[float, int, Callable[[float], None]]] = []
         self._order = itertools.count()
