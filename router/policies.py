@@ -198,6 +198,15 @@ class DqnPolicy:
         self.meta = meta
         self.action = meta["action"]
         self.models: list[str] = meta["models"]
+        self.encoder = FeatureEncoder(
+            meta["replicas"],
+            meta["tasks"],
+            meta["qos_classes"],
+            meta.get("batch_scale", 32.0),
+            meta.get("rate_scale", 48.0),
+        )
+        """The observation layout it was trained on; the gateway encodes with this one, so a task
+        or class added to models.yaml later reaches the network as "none of those it knows"."""
 
     def q_values(self, obs: np.ndarray) -> np.ndarray:
         x = obs
@@ -231,16 +240,9 @@ class DqnPolicy:
         return cls(layers, meta)
 
     def check_fits(self, deployment: Deployment) -> None:
-        """Raise unless this policy was trained on the deployment's observation layout."""
-        encoder = FeatureEncoder.for_deployment(deployment)
-        layout = {
-            "replicas": encoder.replicas,
-            "tasks": list(encoder.tasks),
-            "qos_classes": list(encoder.qos_classes),
-            "models": deployment.models,
-            "batch_scale": encoder.batch_scale,
-            "rate_scale": encoder.rate_scale,
-        }
+        """Raise unless the deployment has the replicas and models this policy was trained on.
+        Tasks and classes may differ: unknown ones encode as zeros (FeatureEncoder)."""
+        layout = {"replicas": [r.name for r in deployment.replicas], "models": deployment.models}
         for key, want in layout.items():
             if self.meta.get(key) != want:
                 raise ValueError(

@@ -93,7 +93,10 @@ class Gateway:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        self.encoder = FeatureEncoder.for_deployment(deployment)
+        # A trained policy brings the layout it learned on; the others take the deployment's.
+        self.encoder: FeatureEncoder = getattr(policy, "encoder", None) or (
+            FeatureEncoder.for_deployment(deployment)
+        )
         self.rate = ArrivalRateEstimator()
 
     async def start(self, request: Request, sampling: Sampling, model: str = AUTO) -> Generation:
