@@ -13,7 +13,6 @@ p99 and max per policy, and writes results/route_decision.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import sys
 import time
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from config import load_deployment  # noqa: E402
+from experiments.output import write_csv  # noqa: E402
 from router.policies import make_policy  # noqa: E402
 from serving.gateway import AUTO, Gateway  # noqa: E402
 from serving.metrics import Metrics  # noqa: E402
@@ -98,11 +98,7 @@ def main() -> int:
             rows.append({"deployment": dep, "policy": policy, "calls": args.calls,
                          "p50_us": p50, "p99_us": p99, "max_us": us.max()})  # fmt: skip
             print(f"{dep:>12} {policy:>18} {p50:>8.1f} {p99:>8.1f} {us.max():>8.1f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "route_decision.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "route_decision.csv", rows)
     return 0
 
 

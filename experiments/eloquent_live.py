@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.live import server
+from experiments.output import write_csv
 from transport.client import ChatResult, Http3Client, read_chat_stream
 from transport.eloquent import stall_ratio
 from transport.relay import LossyRelay
@@ -91,10 +91,7 @@ def main() -> int:
     log = args.results / "eloquent_live-server.log"
     with server("embedded", None, log) as live:
         rows = asyncio.run(run(live.h3_port, args))
-    with open(args.results / "eloquent_live.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "times"])
-        writer.writeheader()
-        writer.writerows({k: v for k, v in r.items() if k != "times"} for r in rows)
+    write_csv(args.results / "eloquent_live.csv", rows, skip={"times"})
     print(
         f"{args.sessions} sessions each, {args.model}, {args.max_tokens} tokens, RTT "
         f"{args.rtt * 1000:.0f} ms, default Gilbert-Elliott loss (~15%)"

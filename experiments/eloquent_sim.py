@@ -30,7 +30,6 @@ Writes results/eloquent_sim.csv and .png and prints the table with the targets' 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -42,9 +41,10 @@ from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import QuicEvent
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from tqdm import tqdm
 
+from experiments.output import write_csv
 from transport.eloquent import (
     EloquentReceiver,
     EloquentSender,
@@ -132,15 +132,16 @@ class Session:
             ],
             end_stream=True,
         )
-        try:
-            self.path.run(until=lambda: self.receiver.next_position >= self.count, timeout=timeout)
-        except (RuntimeError, TimeoutError):
-            # Under long bursts QUIC's backed-off probes can go unanswered past its idle timeout
-            # and the connection dies: the session ends there, its missing tokens never shown.
-            self.died = True
+        self.path.run(
+            until=lambda: self.died or self.receiver.next_position >= self.count, timeout=timeout
+        )
         self.end = self.path.now
 
     def _on_event(self, connection: QuicConnection, event: QuicEvent, now: float) -> None:
+        if isinstance(event, ConnectionTerminated):
+            # Under long bursts QUIC's backed-off probes can go unanswered past its idle timeout
+            # and the connection dies: the session ends there, its missing tokens never shown.
+            self.died = True
         h3 = self.server_h3 if connection is self.server else self.client_h3
         for h3_event in h3.handle_event(event):
             if connection is self.server:
@@ -287,11 +288,7 @@ def main() -> int:
                             | session.metrics()
                         )
                         bar.update(1)
-    args.results.mkdir(parents=True, exist_ok=True)
-    with open(args.results / "eloquent_sim.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.results / "eloquent_sim.csv", rows)
     summary = report(rows, cases, args.schemes)
     plot(summary, cases, args.schemes, args.results / "eloquent_sim.png")
     print(f"wrote {args.results / 'eloquent_sim.csv'} and .png")

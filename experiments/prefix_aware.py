@@ -11,11 +11,11 @@ Writes results/prefix_aware.csv and .png and prints the table.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 from experiments.live import replay, server
+from experiments.output import write_csv
 
 POLICIES = ("round-robin", "least-load", "prefix-hash", "dqn")
 
@@ -46,11 +46,7 @@ def main() -> int:
             "mean_reward": s["mean_reward"], "model_share": s["model_share"],
         })  # fmt: skip
         print(f"{policy}: done", file=sys.stderr)
-    args.results.mkdir(parents=True, exist_ok=True)
-    with open(args.results / "prefix_aware.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.results / "prefix_aware.csv", rows)
     plot(rows, args.results / "prefix_aware.png")
     print(f"multi-turn sessions, Poisson {args.rate:g} req/s for {args.duration:g} s, seed "
           f"{args.seed}, deployment {args.deployment}")  # fmt: skip

@@ -13,7 +13,6 @@ Writes results/sim_vs_real.csv and .png and prints the summary.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 from config import DEFAULT_PATH, load_deployment
 from experiments.live import replay as run_replay
 from experiments.live import server
+from experiments.output import write_csv
 from router.sim import Finished, Simulator
 from workloads import Request
 
@@ -102,10 +102,7 @@ def main() -> int:
         with server(args.deployment, None, args.results / "sim_vs_real-server.log") as live_server:
             live = run_replay(live_server.url, out, *flags)
     rows = compare(live, args.deployment, args.config)
-    with open(args.results / "sim_vs_real.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.results / "sim_vs_real.csv", rows)
     plot(rows, args.results / "sim_vs_real.png")
     sent, completed = live["summary"]["sent"], live["summary"]["completed"]
     print(f"{completed} of {sent} requests completed live; compared per request:")

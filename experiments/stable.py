@@ -10,15 +10,16 @@ Writes results/stable-<deployment>.csv and .png and prints the table with the ta
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, load_deployment
+from experiments.output import write_csv
 from experiments.policies import baselines
 from router.evaluate import mean_reward, simulate
 from workloads.arrivals import Poisson
@@ -58,18 +59,14 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-def mean_by(rows: list[dict[str, object]], key: str) -> dict[tuple[str, float], float]:
+def mean_by(
+    rows: list[dict[str, object]], key: str, reduce: Callable[[list[float]], float] = np.mean
+) -> dict[tuple[str, float], float]:
+    """`key` over the seeds, per (policy, rate): the mean, or `reduce` (np.std for the spread)."""
     groups: dict[tuple[str, float], list[float]] = {}
     for r in rows:
         groups.setdefault((str(r["policy"]), float(r["rate"])), []).append(float(r[key]))  # type: ignore[arg-type]
-    return {k: float(np.mean(v)) for k, v in groups.items()}
-
-
-def std_by(rows: list[dict[str, object]], key: str) -> dict[tuple[str, float], float]:
-    groups: dict[tuple[str, float], list[float]] = {}
-    for r in rows:
-        groups.setdefault((str(r["policy"]), float(r["rate"])), []).append(float(r[key]))  # type: ignore[arg-type]
-    return {k: float(np.std(v)) for k, v in groups.items()}
+    return {k: float(reduce(v)) for k, v in groups.items()}
 
 
 def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]) -> list[str]:
@@ -117,7 +114,7 @@ def plot(rows: list[dict[str, object]], models: list[str], tasks: list[str], pat
     import matplotlib.pyplot as plt
 
     reward = mean_by(rows, "mean_reward")
-    spread = std_by(rows, "mean_reward")
+    spread = mean_by(rows, "mean_reward", np.std)
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
     rates = sorted({float(r["rate"]) for r in rows})  # type: ignore[arg-type]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8), gridspec_kw={"height_ratios": [2, 1]})
@@ -187,10 +184,7 @@ def main() -> int:
     rows = run(args)
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"stable-{deployment.name}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(Path(f"{stem}.csv"), rows)
     plot(rows, deployment.models, deployment.tasks, Path(f"{stem}.png"))
     reward = mean_by(rows, "mean_reward")
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))

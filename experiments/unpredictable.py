@@ -12,7 +12,6 @@ Writes results/unpredictable-<deployment>.csv and .png, and prints the table.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, load_deployment
+from experiments.output import write_csv
 from experiments.policies import baselines
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
@@ -77,10 +77,7 @@ def main() -> int:
                 bar.update(1)
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"unpredictable-{deployment.name}{args.tag}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(Path(f"{stem}.csv"), rows)
     totals = {
         name: {k: sum(int(r[f">={k}"]) for r in rows if r["policy"] == name) for k in keys}  # type: ignore[call-overload]
         for name in policies

@@ -145,31 +145,65 @@ class Progress(BaseCallback):
         self.bar.close()
 
 
+def _step(path: Path) -> int:
+    """The training step in an SB3 checkpoint's file name (dqn_<step>_steps.zip, or .pkl)."""
+    return int(path.stem.split("_")[-2])
+
+
+def _checkpoints(directory: Path, pattern: str = "dqn_*_steps.zip") -> list[Path]:
+    """Checkpoint files in `directory`, oldest first."""
+    return sorted(directory.glob(pattern), key=_step)
+
+
 class Checkpoint(CheckpointCallback):
     """SB3's checkpoints, keeping only the newest replay buffer (each is tens of megabytes)."""
 
     def _on_step(self) -> bool:
         result = super()._on_step()
-        buffers = sorted(
-            Path(self.save_path).glob(f"{self.name_prefix}_replay_buffer_*_steps.pkl"),
-            key=lambda p: int(p.stem.split("_")[-2]),
-        )
-        for old in buffers[:-1]:
+        for old in _checkpoints(Path(self.save_path), "dqn_replay_buffer_*_steps.pkl")[:-1]:
             old.unlink()
         return result
 
 
-class BestPolicy(BaseCallback):
-    """Every `every` steps, the greedy policy's mean reward on fixed validation workloads
-    (`router.evaluate.validation_reward`); the best one is what training ships, as SB3's
+class Validation:
+    """The greedy policies seen so far, each with its mean reward on fixed validation workloads
+    (`router.evaluate.validation_reward`), and the best of them: what training ships, as SB3's
     EvalCallback keeps a best model. DQN's greedy policy can get worse with more training (it
     did here: see the README), so the last network is not necessarily the one to route with."""
 
-    def __init__(self, deployment: Deployment, env: RoutingEnv, every: int) -> None:
-        super().__init__()
-        self.deployment, self.env, self.every = deployment, env, every
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
         self.evaluations: list[tuple[int, float]] = []
         self.best: tuple[float, int, DqnPolicy] | None = None
+
+    def record(self, step: int, policy: DqnPolicy) -> float:
+        reward = validation_reward(self.deployment, policy)
+        self.evaluations.append((step, reward))
+        if self.best is None or reward > self.best[0]:
+            self.best = (reward, step, policy)
+        return reward
+
+    def save(self, path: Path, meta: dict[str, Any]) -> DqnPolicy:
+        """Write the best policy, with `meta` and the validation record, to `path`."""
+        assert self.best is not None, "nothing was validated"
+        reward, step, best = self.best
+        meta = meta | {
+            "selected_step": step,
+            "validation_reward": round(reward, 4),
+            "validation": self.evaluations,
+        }
+        policy = DqnPolicy(best.layers, best.meta | meta)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        policy.save(path)
+        return policy
+
+
+class BestPolicy(BaseCallback):
+    """Validates the greedy policy every `every` steps."""
+
+    def __init__(self, validation: Validation, env: RoutingEnv, every: int) -> None:
+        super().__init__()
+        self.validation, self.env, self.every = validation, env, every
 
     def _on_step(self) -> bool:
         if self.every and self.num_timesteps % self.every == 0:
@@ -177,12 +211,9 @@ class BestPolicy(BaseCallback):
         return True
 
     def evaluate(self) -> None:
-        policy = export(self.model, self.deployment, self.env, {})  # type: ignore[arg-type]
-        reward = validation_reward(self.deployment, policy)
-        self.evaluations.append((self.num_timesteps, reward))
+        policy = export(self.model, self.validation.deployment, self.env, {})  # type: ignore[arg-type]
+        reward = self.validation.record(self.num_timesteps, policy)
         self.logger.record("eval/validation_reward", reward)
-        if self.best is None or reward > self.best[0]:
-            self.best = (reward, self.num_timesteps, policy)
 
 
 def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
@@ -242,19 +273,12 @@ def plot_curve(
     plt.close(fig)
 
 
-def _latest_checkpoint(logdir: Path) -> Path | None:
-    found = sorted(
-        (logdir / "checkpoints").glob("dqn_*_steps.zip"),
-        key=lambda p: int(p.stem.split("_")[-2]),
-    )
-    return found[-1] if found else None
-
-
 def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     th.set_num_threads(args.threads)
     args.logdir.mkdir(parents=True, exist_ok=True)
     env = make_env(deployment, args)
-    checkpoint = _latest_checkpoint(args.logdir) if args.resume else None
+    found = _checkpoints(args.logdir / "checkpoints") if args.resume else []
+    checkpoint = found[-1] if found else None
     if checkpoint is not None:
         model = DoubleDQN.load(checkpoint, env=env, device="cpu")
         buffer = checkpoint.with_name(
@@ -283,7 +307,8 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]  # type: ignore[misc]
-    best = BestPolicy(deployment, env, args.eval_every)
+    validation = Validation(deployment)
+    best = BestPolicy(validation, env, args.eval_every)
     callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
     if args.checkpoint_every:
         callbacks.append(
@@ -301,79 +326,50 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
         reset_num_timesteps=checkpoint is None,
         tb_log_name="dqn",
     )
-    if not best.evaluations or best.evaluations[-1][0] != model.num_timesteps:
+    if not validation.evaluations or validation.evaluations[-1][0] != model.num_timesteps:
         best.evaluate()  # the final network competes too
     curve_file.write_text(json.dumps(progress.curve))
     plot_curve(progress.curve, args.logdir / "learning-curve.png",
-               f"DQN router, {deployment.name}", best.evaluations)  # fmt: skip
-    assert best.best is not None
-    validation, chosen_step, chosen = best.best
-    meta = {
-        "deployment": deployment.name,
-        "steps": int(model.num_timesteps),
-        "seed": args.seed,
-        "command": _command(),
-        # A resumed model keeps its own learning_starts.
-        "hyperparameters": _hyperparameters(
-            hyperparameters | {"learning_starts": model.learning_starts}
-        ),
-        "train_seconds": round(time.monotonic() - start, 1),
-        "selected_step": chosen_step,
-        "validation_reward": round(validation, 4),
-        "validation": best.evaluations,
-    }
-    policy = DqnPolicy(chosen.layers, chosen.meta | meta)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    policy.save(args.out)
-    return policy
+               f"DQN router, {deployment.name}", validation.evaluations)  # fmt: skip
+    # A resumed model keeps its own learning_starts.
+    meta = _meta(args, deployment, model.num_timesteps, model.learning_starts)
+    meta["train_seconds"] = round(time.monotonic() - start, 1)
+    return validation.save(args.out, meta)
 
 
 def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     """Validate every checkpoint of a finished run and save the best: for a run made before
     training validated its own networks, or with --eval-every 0."""
     env = make_env(deployment, args)
-    found = sorted(
-        (args.logdir / "checkpoints").glob("dqn_*_steps.zip"),
-        key=lambda p: int(p.stem.split("_")[-2]),
-    )
+    found = _checkpoints(args.logdir / "checkpoints")
     if not found:
         raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
-    evaluations, best = [], None
+    validation = Validation(deployment)
     for path in found:
         policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
-        step = int(path.stem.split("_")[-2])
-        reward = validation_reward(deployment, policy)
-        evaluations.append((step, reward))
-        print(f"step {step:>9}: validation reward {reward:.4f}", file=sys.stderr)
-        if best is None or reward > best[0]:
-            best = (reward, step, policy)
-    assert best is not None
-    reward, step, policy = best
-    meta = {
-        "deployment": deployment.name,
-        "steps": evaluations[-1][0],
-        "seed": args.seed,
-        "command": _command(),
-        "hyperparameters": _hyperparameters(
-            HYPERPARAMETERS | {"learning_starts": args.learning_starts}
-        ),
-        "selected_step": step,
-        "validation_reward": round(reward, 4),
-        "validation": evaluations,
-    }
-    policy = DqnPolicy(policy.layers, policy.meta | meta)
+        reward = validation.record(_step(path), policy)
+        print(f"step {_step(path):>9}: validation reward {reward:.4f}", file=sys.stderr)
     curve_file = args.logdir / "learning-curve.json"
     if curve_file.exists():
         curve = [tuple(p) for p in json.loads(curve_file.read_text())]
         plot_curve(curve, args.logdir / "learning-curve.png",  # type: ignore[arg-type]
-                   f"DQN router, {deployment.name}", evaluations)  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    policy.save(args.out)
-    return policy
+                   f"DQN router, {deployment.name}", validation.evaluations)  # fmt: skip
+    return validation.save(
+        args.out, _meta(args, deployment, _step(found[-1]), args.learning_starts)
+    )
 
 
-def _command() -> str:
-    return " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])])
+def _meta(
+    args: argparse.Namespace, deployment: Deployment, steps: int, learning_starts: int
+) -> dict[str, Any]:
+    """What a saved policy says about the run that made it."""
+    return {
+        "deployment": deployment.name,
+        "steps": int(steps),
+        "seed": args.seed,
+        "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
+        "hyperparameters": _hyperparameters(HYPERPARAMETERS | {"learning_starts": learning_starts}),
+    }
 
 
 def _hyperparameters(hyperparameters: dict[str, Any]) -> dict[str, Any]:

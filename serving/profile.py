@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import platform
 import statistics
 import sys
@@ -146,8 +147,6 @@ async def measure(deployment: Deployment, args: argparse.Namespace) -> dict[str,
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 
