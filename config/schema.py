@@ -127,6 +127,10 @@ class QosClass(Strict):
 class Tier(Strict):
     classes: list[str]
     default: str
+    trusted_edge: bool = False
+    """Keys of this tier belong to edge front-ends: a request that carries one in `x-edge-key`
+    keeps the arrival time and class that the edge forwards (`x-edge-age`, `x-edge-qos-class`,
+    `x-edge-tier`) instead of being timed and classified again here."""
 
     @model_validator(mode="after")
     def _default_granted(self) -> Tier:

@@ -16,21 +16,22 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from experiments.live import server
 from experiments.output import write_csv
-from transport.client import ChatResult, Http3Client, read_chat_stream
+from transport.client import Http3Client
 from transport.eloquent import stall_ratio
 from transport.relay import LossyRelay
 from transport.simlink import GilbertElliott, LinkConfig
+from workloads.chat import ChatResult, read_chat_stream
 
 
 async def session(client: Http3Client, body: dict, eloquent: bool) -> dict:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    start = time.perf_counter()
     times: list[float] = []
     response = await client.request(
         "POST",
@@ -39,9 +40,12 @@ async def session(client: Http3Client, body: dict, eloquent: bool) -> dict:
         json.dumps(body).encode(),
         eloquent=eloquent,
     )
-    result = ChatResult("", None, None, response.status, None, [])
+    result = ChatResult(status=response.status)
     await read_chat_stream(
-        response.iter_lines(), result, start, on_token=lambda _: times.append(loop.time() - start)
+        response.iter_lines(),
+        result,
+        start,
+        on_token=lambda _: times.append(time.perf_counter() - start),
     )
     lane = response.lane
     return {

@@ -32,8 +32,15 @@ def main() -> int:
         default=DEFAULT_MAX_BODY_BYTES,
         help="refuse larger request bodies with a 413",
     )
+    parser.add_argument(
+        "--request-log",
+        default="-",
+        help="where the JSON line of each request goes: a file (appended), '-' for stderr, "
+        "or 'off'",
+    )
     args = parser.parse_args()
     setup = prepare(parser, args)
+    _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
@@ -43,12 +50,26 @@ def main() -> int:
         parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier
     h3 = setup.http3(
-        partial(classifier.stream_spec, soft_deadlines=not args.hard_deadlines),
+        partial(classifier.tag, soft_deadlines=not args.hard_deadlines),
         max_body_bytes=args.max_body_bytes,
     )
-    server = DualServer(app, setup.listen, h3, log_level=args.log_level)
+    # The request log replaces uvicorn's access log: one line per request, over either protocol.
+    server = DualServer(app, setup.listen, h3, log_level=args.log_level, access_log=False)
     asyncio.run(serve_forever(server, on_ready=_announce))
     return 0
+
+
+def _route_request_log(where: str) -> None:
+    """Request lines are bare JSON, one per line, apart from the server's other logging."""
+    request_log = logging.getLogger("serving.requests")
+    request_log.propagate = False
+    if where == "off":
+        request_log.setLevel(logging.WARNING)
+        return
+    request_log.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stderr) if where == "-" else logging.FileHandler(where)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    request_log.addHandler(handler)
 
 
 def _announce(server: DualServer) -> None:

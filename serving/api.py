@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
@@ -24,9 +23,9 @@ from starlette.types import Receive, Scope, Send
 
 from serving import metrics as outcomes
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
-from serving.metrics import Metrics
+from serving.metrics import Metrics, RequestRecord
 from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from transport.qos import QosClassifier, QosRejected
+from transport.qos import QosRejected, RequestTag, tag_of
 from workloads import Message
 from workloads import Request as LlmRequest
 
@@ -35,19 +34,18 @@ log = logging.getLogger(__name__)
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(
-    gateway: Gateway, classifier: QosClassifier, lifespan: Lifespan | None = None
-) -> FastAPI:
+def create_app(gateway: Gateway, lifespan: Lifespan | None = None) -> FastAPI:
+    """The API. Every HTTP request must reach it tagged (`transport.qos.TagRequests`)."""
     app = FastAPI(title="QoS-aware LLM serving", lifespan=lifespan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         prompt = tuple(m.to_message() for m in body.messages)
-        return await _serve(gateway, classifier, body, prompt, raw, chat=True)
+        return await _serve(gateway, body, prompt, raw, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _serve(gateway, classifier, body, body.text, raw, chat=False)
+        return await _serve(gateway, body, body.text, raw, chat=False)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -75,11 +73,22 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
+        """Liveness: the server answers and at least one replica can take a request."""
         replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
         ok = any(replicas.values())
         return JSONResponse(
             {"status": "ok" if ok else "unavailable", "replicas": replicas},
             status_code=200 if ok else 503,
+        )
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Readiness: every replica the deployment names is up; else 503, naming those down."""
+        replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
+        down = [name for name, up in replicas.items() if not up]
+        return JSONResponse(
+            {"status": "unready" if down else "ready", "down": down, "replicas": replicas},
+            status_code=503 if down else 200,
         )
 
     @app.get("/metrics")
@@ -90,35 +99,54 @@ def create_app(
     return app
 
 
+def record_of(scope: Scope) -> RequestRecord:
+    """A request's account as it reached the app: its tag, and the protocol it came over."""
+    tag = _tag(scope)
+    return RequestRecord(
+        tag.request_id,
+        tag.qos_class,
+        tag.arrival,
+        tier=tag.tier,
+        via_edge=tag.via_edge,
+        protocol=scope.get("http_version"),
+    )
+
+
+def _tag(scope: Scope) -> RequestTag:
+    tag = tag_of(scope)
+    assert tag is not None, "TagRequests tags every HTTP request"
+    return tag
+
+
 async def _serve(
     gateway: Gateway,
-    classifier: QosClassifier,
     body: GenerateRequest,
     prompt: str | tuple[Message, ...],
     raw: Request,
     chat: bool,
 ) -> Response:
-    arrival = gateway.clock()
-    qos = classifier.classify(raw.headers)
+    tag = _tag(raw.scope)
+    if tag.rejected is not None:
+        raise tag.rejected
+    assert tag.qos_class is not None
     request = LlmRequest(
-        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        arrival=arrival,
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{tag.request_id}",
+        arrival=tag.arrival,
         prompt=prompt,
         max_tokens=body.max_tokens,
-        qos_class=qos.qos_class,
+        qos_class=tag.qos_class,
         task=body.task,
     )
     # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
     generation = await _unless_disconnected(
         raw.receive,
-        gateway.start(request, body.sampling(), body.model),
+        gateway.start(request, body.sampling(), body.model, record_of(raw.scope)),
         abandon=lambda g: g.aclose(),
     )
     headers = {
-        "x-request-id": request.request_id,
         "x-model": generation.model,
         "x-replica": generation.replica.name,
-        "x-qos-class": qos.qos_class,
+        "x-qos-class": tag.qos_class,
     }
     shape = _Shape(generation, chat)
     if body.stream:
@@ -298,14 +326,16 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return _error(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(QosRejected)
-    async def qos_rejected(_: Request, exc: QosRejected) -> JSONResponse:
-        metrics.rejected(outcomes.INVALID if exc.status == 400 else outcomes.REFUSED)
+    async def qos_rejected(raw: Request, exc: QosRejected) -> JSONResponse:
+        metrics.rejected(
+            outcomes.INVALID if exc.status == 400 else outcomes.REFUSED, record_of(raw.scope)
+        )
         codes = {401: "invalid_api_key", 403: "qos_class_not_granted"}
         return _error(exc.status, exc.message, codes.get(exc.status, "invalid_qos_class"))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected(outcomes.INVALID)
+    async def invalid(raw: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected(outcomes.INVALID, record_of(raw.scope))
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":

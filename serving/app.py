@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,12 +10,12 @@ from fastapi import FastAPI
 
 from config import Deployment
 from router.policies import make_policy
-from serving.api import create_app
+from serving.api import create_app, record_of
 from serving.gateway import Gateway
 from serving.metrics import INVALID, Metrics
 from serving.replicas import ReplicaSet
 from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from transport.qos import QosClassifier
+from transport.qos import QosClassifier, TagRequests
 
 
 def build_app(
@@ -28,15 +29,23 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await replicas.start()
+        loop_lag = asyncio.create_task(gateway.metrics.watch_loop_lag())
         try:
             yield
         finally:
+            loop_lag.cancel()
             await replicas.close()
 
-    app = create_app(gateway, classifier, lifespan)
+    app = create_app(gateway, lifespan)
     app.add_middleware(
-        BodyLimit, max_bytes=max_body_bytes, on_refuse=lambda: gateway.metrics.rejected(INVALID)
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        on_refuse=lambda scope: gateway.metrics.rejected(INVALID, record_of(scope)),
     )
+    # Outermost, so that even a refused body is counted with its tag. Requests the HTTP/3 server
+    # tagged at their HEADERS pass as they are; the others are tagged here, from the arrival the
+    # HTTP/1.1 server stamped.
+    app.add_middleware(TagRequests, tag=classifier.tag)
     app.state.gateway = gateway
     app.state.classifier = classifier
     return app

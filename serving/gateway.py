@@ -23,7 +23,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from serving.metrics import Metrics
+from serving.metrics import Metrics, RequestRecord
 from serving.replicas import Replica, ReplicaSet
 from workloads import Request
 
@@ -99,13 +99,24 @@ class Gateway:
         )
         self.rate = ArrivalRateEstimator()
 
-    async def start(self, request: Request, sampling: Sampling, model: str = AUTO) -> Generation:
-        """Dispatch `request` and wait for its first token.
+    async def start(
+        self,
+        request: Request,
+        sampling: Sampling,
+        model: str = AUTO,
+        record: RequestRecord | None = None,
+    ) -> Generation:
+        """Dispatch `request` and wait for its first token. `record` is its account so far (the
+        API's: how it arrived); the gateway and the generation fill in the rest.
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
         that turns out to be down before producing anything is skipped, and the next choice tried.
         """
-        rate = self.rate.observe(self.clock())
+        if record is None:
+            record = RequestRecord(request.request_id, request.qos_class, request.arrival)
+        record.received = self.clock()
+        # The rate at the request's arrival, which is what the simulator's arrivals see too.
+        rate = self.rate.observe(request.arrival)
         self.metrics.arrival_rate.set(rate)
         skipped: set[str] = set()
         while True:
@@ -116,10 +127,11 @@ class Gateway:
                 replica = self._route(request, model, rate, skipped)
             except GatewayError as exc:
                 # Never a client-chosen label value: an unknown name would grow the metric forever.
-                label = model if model in self.deployment.models else "none"
-                self.metrics.requests.labels(request.qos_class, label, exc.outcome).inc()
+                record.model = model if model in self.deployment.models else None
+                self.metrics.finish(record, exc.outcome, slo_met=False)
                 raise
-            generation = Generation(self, request, replica, sampling)
+            record.routed = self.clock()
+            generation = Generation(self, request, replica, sampling, record)
             try:
                 await generation.first_token()
                 return generation
@@ -182,10 +194,19 @@ class Generation:
     the request running in the engine. A plain task, cancelled once, lets the abort finish.
     """
 
-    def __init__(self, gateway: Gateway, request: Request, replica: Replica, sampling: Sampling):
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: Request,
+        replica: Replica,
+        sampling: Sampling,
+        record: RequestRecord,
+    ):
         self.gateway = gateway
         self.request = request
         self.replica = replica
+        self.record = record
+        record.model, record.replica = replica.model, replica.name
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -287,19 +308,17 @@ class Generation:
         if self._outcome is not None:
             return
         self._outcome = outcome
-        m, cls, model = self.gateway.metrics, self.request.qos_class, self.model
-        m.requests.labels(cls, model, outcome).inc()
-        if outcome != outcomes.OK or self._first_at is None or self._last_at is None:
-            return
-        arrival = self.request.arrival
-        m.ttft.labels(cls, model).observe(self._first_at - arrival)
-        m.e2e.labels(cls, model).observe(self._last_at - arrival)
-        m.tokens.labels(model).inc(self.completion_tokens)
-        if self.completion_tokens > 1:
-            tpot = (self._last_at - self._first_at) / (self.completion_tokens - 1)
-            m.tpot.labels(cls, model).observe(tpot)
-        if self.gateway.deployment.slo.met(self._last_at - arrival, self.completion_tokens):
-            m.slo_met.labels(cls, model).inc()
+        record = self.record
+        record.first_token, record.last_token = self._first_at, self._last_at
+        record.prompt_tokens, record.tokens = self.prompt_tokens, self.completion_tokens
+        slo_met = (
+            outcome == outcomes.OK
+            and self._last_at is not None
+            and self.gateway.deployment.slo.met(
+                self._last_at - self.request.arrival, self.completion_tokens
+            )
+        )
+        self.gateway.metrics.finish(record, outcome, slo_met)
 
     async def aclose(self) -> None:
         """Free the replica and, if the engine still works on the request, abort it there.

@@ -1,14 +1,27 @@
-"""Prometheus metrics of the gateway, in a registry of their own (one per app, not global)."""
+"""How each request ended: Prometheus metrics (in a registry of their own, one per app) and one
+JSON log line per request, written together by `Metrics.finish` so that the two always agree.
+
+Every clock runs from the request's arrival at the server (`transport.qos.RequestTag`), so a
+request that waited before the handler saw it shows that wait: as `serving_queue_seconds` and in
+its TTFT. TTFT = queue + route + engine TTFT, each a histogram and a field of the log line.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import logging
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -30,8 +43,64 @@ CANCELLED = "cancelled"  # the client went away first
 disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0)
+_QUEUE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0, 4.0, 16.0)
 _ROUTE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 1e-3)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0)
+
+request_log = logging.getLogger("serving.requests")
+"""One JSON line per request; `python -m serving --request-log` says where it goes."""
+
+
+@dataclass
+class RequestRecord:
+    """One request's account, filled in as it goes; times are time.monotonic()."""
+
+    request_id: str | None
+    qos_class: str | None
+    arrival: float
+    """When the request reached the server (or the trusted edge in front of it)."""
+    tier: str | None = None
+    via_edge: bool = False
+    protocol: str | None = None
+    """The HTTP version it came over."""
+    received: float | None = None
+    """When the handler took it up: after the body was read and parsed."""
+    routed: float | None = None
+    """When it was dispatched to its replica (the last one, if one was skipped)."""
+    first_token: float | None = None
+    last_token: float | None = None
+    model: str | None = None
+    replica: str | None = None
+    prompt_tokens: int = 0
+    tokens: int = 0
+
+    def line(self, outcome: str, slo_met: bool) -> str:
+        def span(start: float | None, end: float | None) -> float | None:
+            return None if start is None or end is None else round(end - start, 6)
+
+        wall_arrival = time.time() - (time.monotonic() - self.arrival)
+        return json.dumps(
+            {
+                "request_id": self.request_id,
+                "qos_class": self.qos_class,
+                "tier": self.tier,
+                "via_edge": self.via_edge,
+                "protocol": self.protocol,
+                "model": self.model,
+                "replica": self.replica,
+                "arrival": round(wall_arrival, 6),
+                "queue_s": span(self.arrival, self.received),
+                "route_s": span(self.received, self.routed),
+                "engine_ttft_s": span(self.routed, self.first_token),
+                "ttft_s": span(self.arrival, self.first_token),
+                "e2e_s": span(self.arrival, self.last_token),
+                "prompt_tokens": self.prompt_tokens,
+                "tokens": self.tokens,
+                "outcome": outcome,
+                "slo_met": slo_met,
+            },
+            separators=(",", ":"),
+        )
 
 
 class Metrics:
@@ -45,9 +114,31 @@ class Metrics:
         )
         self.ttft = Histogram(
             "serving_ttft_seconds",
-            "Time from arrival to the first token.",
+            "Time from arrival at the server to the first token.",
             ["qos_class", "model"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue = Histogram(
+            "serving_queue_seconds",
+            "Time from arrival at the server until the handler took the request up: reading and "
+            "parsing it, and waiting for the event loop. Every request that reached the handler.",
+            ["qos_class"],
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        self.engine_ttft = Histogram(
+            "serving_engine_ttft_seconds",
+            "Time from dispatch to a replica until its first token: engine queue and prefill.",
+            ["qos_class", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "serving_event_loop_lag_seconds",
+            "How late the server's event loop ran a timer: time a request's bytes may wait "
+            "unread before its arrival is stamped.",
+            buckets=_QUEUE_BUCKETS,
             registry=self.registry,
         )
         self.tpot = Histogram(
@@ -88,10 +179,42 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_ReplicaCollector(replicas))
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds: the
+        # front-end process's own (engines run in processes of their own).
+        ProcessCollector(registry=self.registry)
 
-    def rejected(self, outcome: str) -> None:
-        """Count a request refused before it had a class or a model."""
-        self.requests.labels("none", "none", outcome).inc()
+    def rejected(self, outcome: str, record: RequestRecord) -> None:
+        """Count a request refused before the gateway saw it (bad input, a refused key)."""
+        self.finish(record, outcome, slo_met=False)
+
+    def finish(self, record: RequestRecord, outcome: str, slo_met: bool) -> None:
+        """Count how one request ended, and log it: exactly once per request."""
+        cls, model = record.qos_class or "none", record.model or "none"
+        self.requests.labels(cls, model, outcome).inc()
+        if record.received is not None:
+            self.queue.labels(cls).observe(record.received - record.arrival)
+        if record.routed is not None and record.first_token is not None:
+            self.engine_ttft.labels(cls, model).observe(record.first_token - record.routed)
+        if outcome == OK and record.first_token is not None and record.last_token is not None:
+            self.ttft.labels(cls, model).observe(record.first_token - record.arrival)
+            self.e2e.labels(cls, model).observe(record.last_token - record.arrival)
+            self.tokens.labels(model).inc(record.tokens)
+            if record.tokens > 1:
+                tpot = (record.last_token - record.first_token) / (record.tokens - 1)
+                self.tpot.labels(cls, model).observe(tpot)
+            if slo_met:
+                self.slo_met.labels(cls, model).inc()
+        if request_log.isEnabledFor(logging.INFO):
+            request_log.info(record.line(outcome, slo_met))
+
+    async def watch_loop_lag(self, interval_s: float = 0.05) -> None:
+        """Sample how late the event loop runs a timer, until cancelled."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                due = loop.time() + interval_s
+                await asyncio.sleep(interval_s)
+                self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,7 @@ They start in the background when the session begins and each test waits only fo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 PREMIUM_KEY = "test-premium-key"
+EDGE_KEY = "test-edge-key"
 STARTUP_TIMEOUT_S = 240
 
 
@@ -55,6 +57,12 @@ class Server:
     log: Path
     health_path: str
     h3_port: int | None = None
+    request_log: Path | None = None
+    """`python -m serving --request-log`: one JSON line per request."""
+
+    def requests_logged(self) -> list[dict]:
+        assert self.request_log is not None, f"{self.name} keeps no request log"
+        return [json.loads(line) for line in self.request_log.read_text().splitlines()]
 
     @property
     def url(self) -> str:
@@ -146,7 +154,10 @@ def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
         qos_class["deadline_s"] = 60.0
     spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}
     spec["tiers"]["anonymous"]["classes"].append("impatient")
-    spec["api_keys"] = [{"key": PREMIUM_KEY, "tier": "premium"}]
+    spec["api_keys"] = [
+        {"key": PREMIUM_KEY, "tier": "premium"},
+        {"key": EDGE_KEY, "tier": "edge"},
+    ]
     for name, (placement, deployment) in extra_deployments.items():
         spec["placements"][name] = placement
         spec["deployments"][name] = deployment
@@ -181,14 +192,24 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     subprocess.run([PYTHON, "-m", "serving.embedded"], cwd=ROOT, check=True)
     servers: dict[str, Server] = {}
     embedded_port, embedded_h3 = free_port(), free_udp_port()
+    request_log = session_dir / "embedded-requests.jsonl"
     servers["embedded"] = launch(
         "embedded",
-        serving_command(config, "embedded", embedded_port, "--h3-port", str(embedded_h3)),
+        serving_command(
+            config,
+            "embedded",
+            embedded_port,
+            "--h3-port",
+            str(embedded_h3),
+            "--request-log",
+            str(request_log),
+        ),  # fmt: skip
         embedded_port,
         "/healthz",
         session_dir,
         h3_port=embedded_h3,
     )
+    servers["embedded"].request_log = request_log
     template = session_dir / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
     # `vllm serve`, by its module: the CPU build's `vllm` command looks up the version of a

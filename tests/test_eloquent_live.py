@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from tests.conftest import Server
-from transport.client import ChatResult, Http3Client, read_chat_stream
+from transport.client import Http3Client
 from transport.relay import LossyRelay
 from transport.simlink import GilbertElliott, LinkConfig
+from workloads.chat import ChatResult, read_chat_stream
 
 BODY = {
     "model": "tiny-m",
@@ -34,7 +35,7 @@ async def test_eloquent_over_a_lossy_link_ends_with_the_streamed_text(server: Se
                     json.dumps(BODY).encode(), eloquent=eloquent,
                 )  # fmt: skip
                 assert response.status == 200
-                result = ChatResult("", None, None, 200, None, [])
+                result = ChatResult(status=200)
                 await read_chat_stream(response.iter_lines(), result, 0.0)
                 runs[eloquent] = (result, response)
     finally:

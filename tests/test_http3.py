@@ -14,7 +14,8 @@ from aioquic.h3.connection import ErrorCode
 
 from tests.conftest import CERT, PREMIUM_KEY, Server, wait_until
 from tests.test_api import HELLO, _in_flight_is_zero
-from transport.client import Http3Client, StreamError, stream_chat
+from transport.client import Http3Client, StreamError
+from workloads.chat import chat_body, chat_h3
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -26,7 +27,7 @@ def h3_client(server: Server, **kwargs: object) -> Http3Client:
 
 async def test_chat_streams_over_http3_as_over_http1(server: Server) -> None:
     async with h3_client(server) as client:
-        result = await stream_chat(client, HELLO, model="tiny-m", max_tokens=12, extra=GREEDY)
+        result = await chat_h3(client, chat_body(HELLO, "tiny-m", 12, **GREEDY))
     assert result.error is None and result.status == 200
     assert result.model == "tiny-m" and result.replica == "cpu/tiny-m"
     assert result.ttft_s is not None and len(result.itl_s) >= 5  # token by token, not one body
@@ -63,14 +64,11 @@ def test_an_independent_http3_client_gets_a_completion(server: Server) -> None:
 
 async def test_qos_over_http3_needs_a_key_for_real_time(server: Server) -> None:
     async with h3_client(server) as client:
-        refused = await stream_chat(
-            client, HELLO, max_tokens=2, headers={"x-qos-class": "real-time"}
-        )
-        granted = await stream_chat(
+        refused = await chat_h3(client, chat_body(HELLO, "auto", 2), {"x-qos-class": "real-time"})
+        granted = await chat_h3(
             client,
-            HELLO,
-            max_tokens=2,
-            headers={"x-qos-class": "real-time", "authorization": f"Bearer {PREMIUM_KEY}"},
+            chat_body(HELLO, "auto", 2),
+            {"x-qos-class": "real-time", "authorization": f"Bearer {PREMIUM_KEY}"},
         )
     assert refused.status == 403 and "real-time" in (refused.error or "")
     assert granted.status == 200 and granted.error is None
@@ -168,7 +166,7 @@ async def test_thousands_of_streams_are_held_to_the_stream_limit(server: Server)
 
 async def test_the_edge_frontend_forwards_http3_and_http1(frontend: Server) -> None:
     async with h3_client(frontend) as client:
-        result = await stream_chat(client, HELLO, model="tiny-s", max_tokens=8, extra=GREEDY)
+        result = await chat_h3(client, chat_body(HELLO, "tiny-s", 8, **GREEDY))
     assert result.error is None and result.model == "tiny-s" and len(result.itl_s) >= 3
     http1 = httpx.post(
         frontend.url + "/v1/chat/completions",

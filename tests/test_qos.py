@@ -68,3 +68,45 @@ def test_keys_required_when_there_is_no_anonymous_tier() -> None:
         strict.classify({})
     assert err.value.status == 401
     assert strict.classify({"authorization": "Bearer gold"}).tier == "premium"
+
+
+@pytest.fixture
+def edge_aware() -> QosClassifier:
+    dep = load_deployment(ROOT / "models.yaml")
+    keys = {"gold": "premium", "edge-secret": "edge"}
+    return QosClassifier(dep.qos_classes, dep.tiers, keys, dep.anonymous_tier)
+
+
+def test_a_tag_carries_the_arrival_class_and_deadline(edge_aware: QosClassifier) -> None:
+    tag = edge_aware.tag({"authorization": "Bearer gold"}, now=100.0)
+    assert (tag.arrival, tag.qos_class, tag.tier, tag.via_edge) == (
+        100.0,
+        "real-time",
+        "premium",
+        False,
+    )
+    assert tag.spec.deadline == 101.0 and tag.spec.high and tag.rejected is None
+    refused = edge_aware.tag({"x-qos-class": "real-time"}, now=100.0)
+    assert refused.qos_class is None and refused.rejected is not None
+    assert refused.rejected.status == 403 and refused.spec.deadline is None
+
+
+def test_only_an_edge_key_makes_forwarded_headers_count(edge_aware: QosClassifier) -> None:
+    sent = edge_aware.tag({"authorization": "Bearer gold"}, now=100.0)
+    forwarded = sent.forwarded(now=100.25, edge_key="edge-secret")
+    kept = edge_aware.tag(forwarded, now=100.5)
+    assert kept.via_edge and kept.arrival == pytest.approx(100.25)
+    assert (kept.qos_class, kept.tier, kept.request_id) == ("real-time", "premium", sent.request_id)
+    assert kept.spec.deadline == pytest.approx(101.25)
+    for key in ("guess", "gold", ""):  # a wrong key, or a key of a tier that is not an edge
+        forged = edge_aware.tag({**forwarded, "x-edge-key": key}, now=100.5)
+        assert not forged.via_edge and forged.arrival == 100.5
+        assert forged.qos_class == "free-tier" and forged.request_id != sent.request_id
+
+
+def test_an_unreadable_edge_age_counts_as_none(edge_aware: QosClassifier) -> None:
+    for age in ("soon", "nan", "-5", "inf"):
+        tag = edge_aware.tag({"x-edge-key": "edge-secret", "x-edge-age": age}, now=100.0)
+        assert tag.via_edge and tag.arrival == 100.0 and tag.qos_class == "free-tier"
+    capped = edge_aware.tag({"x-edge-key": "edge-secret", "x-edge-age": "1e9"}, now=1e4)
+    assert capped.arrival == 1e4 - 3600

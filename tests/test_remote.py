@@ -49,6 +49,10 @@ def test_remote_rejection_keeps_its_status_and_message(remote_server: Server) ->
 def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
     remote_server: Server, upstream: Server
 ) -> None:
+    replica = f"127.0.0.1:{upstream.port}/tiny-s"
+    assert httpx.get(remote_server.url + "/readyz").json() == {
+        "status": "ready", "down": [], "replicas": {replica: True}
+    }  # fmt: skip
     body = {"messages": HELLO, "max_tokens": 1500, "stream": True, "ignore_eos": True}
     events = []
     with httpx.stream(
@@ -78,6 +82,8 @@ def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "service_unavailable"
     assert httpx.get(remote_server.url + "/healthz").status_code == 503
+    ready = httpx.get(remote_server.url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["down"] == [replica]
     wait_until(
         lambda: (
             remote_server.metric(

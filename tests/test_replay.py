@@ -103,3 +103,24 @@ def test_bad_arguments_get_a_clear_message(args: list[str], message: str) -> Non
     )  # fmt: skip
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_replay_says_when_it_could_not_keep_up() -> None:
+    from workloads.metrics import Outcome
+    from workloads.replay import client_health
+
+    def outcomes(lag_s: float, wait_s: float) -> list[Outcome]:
+        return [
+            Outcome(f"r{i}", "free-tier", None, i * 0.1, lag_s=lag_s if i >= 98 else 0.001,
+                    credit_wait_s=wait_s if i >= 98 else 0.0)
+            for i in range(100)
+        ]  # fmt: skip
+
+    calm = client_health(outcomes(0.01, 0.0), duration_s=10, cpu_s=2)
+    assert calm["kept_up"] and calm["warnings"] == [] and calm["cpu_share_of_core"] == 0.2
+    late = client_health(outcomes(0.5, 0.0), duration_s=10, cpu_s=2)
+    assert not late["kept_up"] and "sent late" in late["warnings"][0]
+    busy = client_health(outcomes(0.01, 0.0), duration_s=10, cpu_s=9.5)
+    assert not busy["kept_up"] and "of a core" in busy["warnings"][0]
+    waited = client_health(outcomes(0.01, 0.2), duration_s=10, cpu_s=2)
+    assert waited["credit_waited"] == 2 and "stream credit" in waited["warnings"][0]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from transport.http3 import Classify, Http3Settings
+from transport.http3 import Http3Settings
+from transport.qos import Tagger
 from transport.schedulers import SCHEDULERS
 from transport.server import Listen
 from transport.tls import ensure_certificate
@@ -42,9 +43,9 @@ class ServerSetup:
     keyfile: str
     scheduler: str
 
-    def http3(self, classify: Classify, **settings: int) -> Http3Settings:
+    def http3(self, tag: Tagger, **settings: int) -> Http3Settings:
         return Http3Settings(
-            self.certfile, self.keyfile, scheduler=self.scheduler, classify=classify, **settings
+            self.certfile, self.keyfile, scheduler=self.scheduler, tag=tag, **settings
         )
 
 

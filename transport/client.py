@@ -1,16 +1,20 @@
 """An HTTP/3 client on one long-lived QUIC connection, with a stream scheduler for its requests.
 
 `Http3Client` multiplexes requests as streams on one connection: the edge front-end forwards
-through it and the load generator drives the server with it. `stream_chat` adds the OpenAI
-chat-completions call on top and times it. `python -m transport.client "prompt"` is the CLI.
+through it and the load generator drives the server with it. A server allows a connection only
+so many open streams (QUIC's MAX_STREAMS); a request past that waits in the client until the
+server grants more, and `Response.sent_at` says when it really went out. `Http3Pool` spreads
+requests over several connections so that they need not wait. `python -m transport.client URL`
+fetches one URL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +53,11 @@ class Response:
     _chunks: asyncio.Queue[bytes | StreamError | None]
     lane: EloquentLane | None = None
     """Set when the response carries Eloquent datagrams: its receiver has the render times."""
+    sent_at: float = 0.0
+    """time.perf_counter() when the request could go out: at once, or when the server granted
+    the stream credit it waited for."""
+    credit_wait_s: float = 0.0
+    """How long it waited for that credit; 0 if it did not."""
     _done: bool = False
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
@@ -149,10 +158,39 @@ class _ClientProtocol(CoalescingProtocol):
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.pending: dict[int, _Pending] = {}
         self.closed: StreamError | None = None
+        self._blocked: deque[tuple[int, asyncio.Future[float]]] = deque()
+        """Streams opened past the server's stream limit, in id order, and who waits on them."""
 
     @property
     def quic(self) -> ScheduledQuicConnection:
         return self._quic  # type: ignore[return-value]
+
+    @property
+    def stream_credit(self) -> int:
+        """How many more request streams the server allows now; negative when some wait."""
+        quic = self._quic
+        # aioquic keeps these as plain attributes and has no public accessor.
+        return quic._remote_max_streams_bidi - quic._local_next_stream_id_bidi // 4
+
+    def until_sendable(self, stream_id: int) -> asyncio.Future[float]:
+        """Resolves with time.perf_counter() once the server's stream limit covers `stream_id`."""
+        future: asyncio.Future[float] = self._loop.create_future()
+        if stream_id // 4 < self._quic._remote_max_streams_bidi:
+            future.set_result(time.perf_counter())
+        elif self.closed is not None:
+            future.set_exception(self.closed)
+        else:
+            self._blocked.append((stream_id, future))
+        return future
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        # A MAX_STREAMS frame may have come: aioquic has already sent what it unblocked.
+        limit = self._quic._remote_max_streams_bidi
+        while self._blocked and self._blocked[0][0] // 4 < limit:
+            _, future = self._blocked.popleft()
+            if not future.done():
+                future.set_result(time.perf_counter())
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset | StreamExpired):
@@ -166,6 +204,10 @@ class _ClientProtocol(CoalescingProtocol):
             )
             for stream_id in list(self.pending):
                 self._fail(stream_id, self.closed)
+            while self._blocked:
+                _, future = self._blocked.popleft()
+                if not future.done():
+                    future.set_exception(self.closed)
         for h3_event in self.h3.handle_event(event):
             self._h3_event_received(h3_event)
 
@@ -285,7 +327,9 @@ class Http3Client:
     ) -> Response:
         """Send a request on a new stream and wait for the response headers.
         `spec` tags the stream for this connection's scheduler. `eloquent` asks for the body's
-        events in datagrams too (`x-eloquent: 1`); `Response.lane` then has the receiver."""
+        events in datagrams too (`x-eloquent: 1`); `Response.lane` then has the receiver.
+        Past the server's stream limit the request waits for credit (aioquic holds its bytes);
+        `Response.sent_at` says when it went out."""
         protocol = self.protocol
         quic = protocol.quic
         stream_id = quic.get_next_available_stream_id()
@@ -306,14 +350,25 @@ class Http3Client:
         if body:
             protocol.h3.send_data(stream_id, body, end_stream=True)
         protocol.transmit_soon()
+        sendable = protocol.until_sendable(stream_id)
+        queued_at = time.perf_counter()
         try:
+            sent_at = await sendable
             raw = await pending.headers
         except asyncio.CancelledError:
             self._cancel(stream_id)
             raise
         named = {k.decode(): v.decode() for k, v in raw}
         status = int(named.pop(":status", "0"))
-        return Response(stream_id, status, named, self, pending.chunks, pending.lane)
+        return Response(
+            stream_id, status, named, self, pending.chunks, pending.lane, sent_at,
+            max(0.0, sent_at - queued_at),
+        )  # fmt: skip
+
+    @property
+    def stream_credit(self) -> int:
+        """Requests that can go out now without waiting for the server's stream credit."""
+        return self.protocol.stream_credit
 
     def _cancel(self, stream_id: int) -> None:
         protocol = self._protocol
@@ -326,117 +381,48 @@ class Http3Client:
         protocol.transmit_soon()
 
 
-@dataclass
-class ChatResult:
-    text: str
-    model: str | None
-    replica: str | None
-    status: int
-    ttft_s: float | None
-    itl_s: list[float]
-    usage: dict[str, int] | None = None
-    error: str | None = None
-    e2el_s: float | None = None
-    """From sending the request to the end of its stream."""
+class Http3Pool:
+    """`connections` QUIC connections to one server, opened together; each request goes on the
+    one with the most stream credit left, so that up to `connections` times the server's stream
+    limit can be in flight before any request waits. A connection that closes is reopened."""
 
-    @property
-    def mean_itl_s(self) -> float | None:
-        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+    def __init__(self, host: str, port: int, connections: int = 1, **kwargs: Any) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be at least 1, got {connections}")
+        self.host, self.port = host, port
+        self._kwargs = kwargs
+        self.clients = [Http3Client(host, port, **kwargs) for _ in range(connections)]
+        self._lock = asyncio.Lock()
 
+    async def __aenter__(self) -> Http3Pool:
+        opened = await asyncio.gather(
+            *(client.__aenter__() for client in self.clients), return_exceptions=True
+        )
+        if failed := next((r for r in opened if isinstance(r, BaseException)), None):
+            await self.__aexit__(None, None, None)
+            raise failed
+        return self
 
-async def stream_chat(
-    client: Http3Client,
-    messages: list[dict[str, str]],
-    *,
-    model: str = "auto",
-    max_tokens: int = 64,
-    headers: Mapping[str, str] | None = None,
-    on_token: Callable[[str], None] | None = None,
-    spec: StreamSpec | None = None,
-    extra: Mapping[str, Any] | None = None,
-    eloquent: bool = False,
-) -> ChatResult:
-    """One streamed chat completion; TTFT and inter-token gaps are taken at the client, when
-    the text can be shown (with `eloquent`, from whichever path delivered it first)."""
-    loop = asyncio.get_running_loop()
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **(extra or {}),
-    }
-    start = loop.time()
-    response = await client.request(
-        "POST",
-        "/v1/chat/completions",
-        {"content-type": "application/json", **(headers or {})},
-        json.dumps(body).encode(),
-        spec,
-        eloquent,
-    )
-    result = ChatResult("", response.headers.get("x-model"), response.headers.get("x-replica"),
-                        response.status, None, [])  # fmt: skip
-    if response.status != 200:
-        payload = (await response.read()).decode(errors="replace")
-        result.error = error_message(payload)
-        return result
-    try:
-        await read_chat_stream(response.iter_lines(), result, start, on_token)
-    except StreamError as exc:
-        result.error = str(exc)
-    finally:
-        response.close()
-    return result
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.gather(
+            *(client.__aexit__(None, None, None) for client in self.clients),
+            return_exceptions=True,
+        )
 
+    async def request(self, *args: Any, **kwargs: Any) -> Response:
+        """`Http3Client.request` on the connection with the most stream credit."""
+        return await (await self._pick()).request(*args, **kwargs)
 
-async def read_chat_stream(
-    lines: AsyncIterator[str],
-    result: ChatResult,
-    start: float,
-    on_token: Callable[[str], None] | None = None,
-) -> None:
-    """Fold a chat-completions SSE stream into `result`, timing each content chunk against
-    `start` (the event loop's clock when the request went out). Any HTTP client's line iterator
-    will do, so every protocol is timed by the same code."""
-    loop = asyncio.get_running_loop()
-    last: float | None = None
-    done = False
-    async for line in lines:
-        if line == "data: [DONE]":
-            done = True
-        if done or not line.startswith("data: "):
-            continue
-        event = json.loads(line[len("data: ") :])
-        if "error" in event:
-            result.error = event["error"].get("message", str(event["error"]))
-            continue
-        if event.get("usage"):
-            result.usage = event["usage"]
-        for choice in event.get("choices", []):
-            token = choice.get("delta", {}).get("content") or ""
-            if not token:
-                continue
-            now = loop.time()
-            if last is None:
-                result.ttft_s = now - start
-            else:
-                result.itl_s.append(now - last)
-            last = now
-            result.text += token
-            if on_token is not None:
-                on_token(token)
-    result.e2el_s = loop.time() - start
-    if not done and result.error is None:
-        result.error = "the stream ended without [DONE]"
-
-
-def error_message(payload: str) -> str:
-    """The message of an OpenAI-shaped error body, or the body itself."""
-    with suppress(ValueError, AttributeError, TypeError):
-        return json.loads(payload)["error"]["message"]
-    return payload
+    async def _pick(self) -> Http3Client:
+        if not all(client.is_open for client in self.clients):
+            async with self._lock:
+                for i, client in enumerate(self.clients):
+                    if not client.is_open:
+                        await client.__aexit__(None, None, None)
+                        fresh = Http3Client(self.host, self.port, **self._kwargs)
+                        await asyncio.wait_for(fresh.__aenter__(), timeout=10)
+                        self.clients[i] = fresh
+        return max(self.clients, key=lambda client: client.stream_credit)
 
 
 def split_url(url: str) -> tuple[str, int]:
@@ -444,62 +430,48 @@ def split_url(url: str) -> tuple[str, int]:
     return parts.hostname or "localhost", parts.port or 443
 
 
-async def _chat_cli(args: Any) -> int:
+async def _fetch_cli(args: Any) -> int:
     import sys
 
     host, port = split_url(args.url)
-    headers = {}
-    if args.api_key:
-        headers["authorization"] = f"Bearer {args.api_key}"
-    if args.qos_class:
-        headers["x-qos-class"] = args.qos_class
+    path = urlsplit(args.url).path or "/"
+    if urlsplit(args.url).query:
+        path += "?" + urlsplit(args.url).query
+    headers = dict(h.split(":", 1) for h in args.header)
+    headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
+    body = args.data.encode() if args.data is not None else b""
+    method = args.request or ("POST" if body else "GET")
     verify: bool | str = args.cacert or not args.insecure
     async with Http3Client(host, port, verify=verify) as client:
-        result = await stream_chat(
-            client,
-            [{"role": "user", "content": args.prompt}],
-            model=args.model,
-            max_tokens=args.max_tokens,
-            headers=headers,
-            on_token=lambda token: print(token, end="", flush=True),
-            eloquent=args.eloquent,
-        )
-    print()
-    if result.error:
-        print(f"error ({result.status}): {result.error}", file=sys.stderr)
-    ttft = f"{result.ttft_s * 1000:.1f} ms" if result.ttft_s is not None else "-"
-    itl = f"{result.mean_itl_s * 1000:.1f} ms" if result.mean_itl_s is not None else "-"
-    tokens = result.usage.get("completion_tokens") if result.usage else len(result.itl_s) + 1
-    print(
-        f"model {result.model} on {result.replica} | TTFT {ttft} | mean ITL {itl} | "
-        f"{tokens} tokens",
-        file=sys.stderr,
-    )
-    return 0 if result.error is None else 1
+        response = await client.request(method, path, headers, body)
+        if args.include:
+            print(f"HTTP/3 {response.status}")
+            for name, value in response.headers.items():
+                print(f"{name}: {value}")
+            print()
+        async for chunk in response.iter_bytes():
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+    return 0 if response.status < 400 else 1
 
 
 def main() -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m transport.client", description="Stream one chat completion over HTTP/3."
+        prog="python -m transport.client",
+        description="One HTTP/3 request, its body printed as it streams (a small curl).",
     )
-    parser.add_argument("prompt")
-    parser.add_argument("--url", default="https://localhost:8443")
-    parser.add_argument("--model", default="auto")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--qos-class", help="ask for a class (x-qos-class)")
-    parser.add_argument("--api-key", help="a key whose tier grants the class")
+    parser.add_argument("url", help="e.g. https://localhost:8443/v1/models")
+    parser.add_argument("-X", "--request", help="method (default: GET, or POST with --data)")
+    parser.add_argument("-H", "--header", action="append", default=[], help="'name: value'")
+    parser.add_argument("-d", "--data", help="request body")
+    parser.add_argument("-i", "--include", action="store_true", help="print status and headers")
     parser.add_argument("--cacert", help="trust this certificate (the server's .certs/cert.pem)")
     parser.add_argument(
         "--insecure", action="store_true", help="accept any certificate (self-signed servers)"
     )
-    parser.add_argument(
-        "--eloquent",
-        action="store_true",
-        help="ask for tokens in datagrams too, rendered from whichever path is first",
-    )
-    return asyncio.run(_chat_cli(parser.parse_args()))
+    return asyncio.run(_fetch_cli(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,13 @@
 It accepts client HTTP/3 and HTTP/1.1 and forwards every request as a stream over one long-lived
 QUIC connection to the back-end. Each forwarded stream is tagged with its QoS class's priority and
 deadline, so on that shared connection the stream scheduler decides whose bytes go first, in both
-directions: this side orders the requests, the back-end orders the responses. The back-end
-classifies each request again from the same headers; it trusts no tag of ours.
+directions: this side orders the requests, the back-end orders the responses.
+
+The edge tags each request as it arrives here (`transport.qos`), and forwards the tag: the
+request's age, class, tier and id, in `x-edge-*` headers with the edge's key. The back-end keeps
+them only if that key's tier is `trusted_edge`, so its deadline, TTFT and SLO run from the
+client's arrival here; otherwise it classifies and times the request itself. The headers a client
+sends under those names are dropped, whoever the client is.
 
 A client that goes away resets its forwarded stream, which the back-end sees as a disconnect and
 turns into an engine abort. A back-end that is unreachable gets the client a 502.
@@ -15,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
 from transport.client import Http3Client, Response, StreamError
-from transport.http3 import Classify
+from transport.qos import EDGE_HEADERS, tag_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +74,12 @@ class BackendPool:
 
 
 class EdgeProxy:
-    """The ASGI app of the edge: forwards everything to the back-end."""
+    """The ASGI app of the edge: forwards everything to the back-end. Every request must reach
+    it tagged (`transport.qos.TagRequests`); `edge_key` signs the tags it forwards."""
 
-    def __init__(self, pool: BackendPool, classify: Classify) -> None:
+    def __init__(self, pool: BackendPool, edge_key: str | None) -> None:
         self.pool = pool
-        self.classify = classify
+        self.edge_key = edge_key
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -99,21 +106,25 @@ class EdgeProxy:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
+        tag = tag_of(scope)
+        assert tag is not None, "TagRequests tags every HTTP request"
         headers = {
-            name.decode("latin-1"): value.decode("latin-1")
-            for name, value in scope["headers"]
-            if name.decode("latin-1").lower() not in HOP_BY_HOP
+            name: value.decode("latin-1")
+            for raw, value in scope["headers"]
+            if (name := raw.decode("latin-1").lower()) not in HOP_BY_HOP
+            and name not in EDGE_HEADERS
         }
         if scope.get("client"):
             headers["x-forwarded-for"] = str(scope["client"][0])
         path = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             path += b"?" + scope["query_string"]
-        now = asyncio.get_running_loop().time()
         try:
             client = await self.pool.get()
+            if self.edge_key is not None:
+                headers.update(tag.forwarded(time.monotonic(), self.edge_key))
             response = await client.request(
-                scope["method"], path.decode("latin-1"), headers, body, self.classify(headers, now)
+                scope["method"], path.decode("latin-1"), headers, body, tag.spec
             )
         except (OSError, TimeoutError, StreamError, ConnectionError) as exc:
             logger.warning("back-end %s:%d unreachable: %s", self.pool.host, self.pool.port, exc)
@@ -173,7 +184,7 @@ def main() -> int:
     from transport.cli import add_server_arguments, prepare
     from transport.client import split_url
     from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
-    from transport.qos import QosClassifier
+    from transport.qos import QosClassifier, TagRequests
     from transport.server import DualServer, serve_forever
 
     parser = argparse.ArgumentParser(prog="python -m transport.frontend", description=__doc__)
@@ -185,12 +196,18 @@ def main() -> int:
     )
     args = parser.parse_args()
     setup = prepare(parser, args)
-    classify = QosClassifier.from_deployment(setup.deployment).stream_spec
+    classifier = QosClassifier.from_deployment(setup.deployment)
+    edge_key = classifier.edge_key()
+    if edge_key is None:
+        logger.warning(
+            "no key of a trusted_edge tier (models.yaml; QOS_EDGE_KEY): the back-end will time "
+            "and classify requests from when they reach it, not from their arrival here"
+        )
     host, port = split_url(args.backend)
     verify: bool | str = args.backend_cacert or not args.backend_insecure
-    proxy = EdgeProxy(BackendPool(host, port, verify, setup.scheduler), classify)
-    app = BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES)
-    server = DualServer(app, setup.listen, setup.http3(classify), log_level=args.log_level)
+    proxy = EdgeProxy(BackendPool(host, port, verify, setup.scheduler), edge_key)
+    app = TagRequests(BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES), classifier.tag)
+    server = DualServer(app, setup.listen, setup.http3(classifier.tag), log_level=args.log_level)
     asyncio.run(serve_forever(server))
     return 0
 

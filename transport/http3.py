@@ -12,7 +12,8 @@ handling. This module adds exactly those:
 - lifespan: `Lifespan` runs the app's startup and shutdown, once, whoever serves it;
 - disconnects: a stream reset by the client, a stream dropped at its deadline by the scheduler,
   or a closed connection turns into `http.disconnect` on the app's `receive()`.
-Each stream is tagged for the connection's scheduler by `classify(headers, now)`.
+Each request is tagged once, when its HEADERS arrive, by `tag(headers, now)`: the tag's stream spec
+goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -41,13 +43,11 @@ from transport.connection import (
 )
 from transport.eloquent import EloquentFormatError, EloquentSender, SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
-from transport.schedulers import StreamSpec
+from transport.qos import TAG, Tagger
 
 logger = logging.getLogger(__name__)
 
 ASGIApp = Callable[..., Any]
-Classify = Callable[[Mapping[str, str], float], StreamSpec]
-"""Headers (lower-case names) and the arrival time -> the stream's scheduling tag."""
 
 SERVER_HEADER = b"qos-llm-serving"
 ELOQUENT_HEADER = b"x-eloquent"
@@ -69,7 +69,8 @@ class Http3Settings:
     """Unacknowledged response bytes per stream past which the app's send() waits."""
     idle_timeout: float = 60.0
     max_datagram_frame_size: int | None = 65536
-    classify: Classify | None = None
+    tag: Tagger | None = None
+    """Classifies each request as it arrives; None leaves streams untagged."""
 
     def quic_configuration(self) -> QuicConfiguration:
         configuration = QuicConfiguration(
@@ -211,10 +212,13 @@ class _Http3Protocol(CoalescingProtocol):
         if b":authority" in pseudo:
             headers.insert(0, (b"host", pseudo[b":authority"]))
         raw_path, _, query = pseudo.get(b":path", b"/").partition(b"?")
-        now = self._loop.time()
-        if self._settings.classify is not None:
+        extensions: dict[str, Any] = {}
+        if self._settings.tag is not None:
+            # The asyncio loop's clock is time.monotonic(), so stream deadlines and the app's
+            # clocks agree.
             named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-            self.quic.set_stream_spec(event.stream_id, self._settings.classify(named, now))
+            tag = extensions[TAG] = self._settings.tag(named, time.monotonic())
+            self.quic.set_stream_spec(event.stream_id, tag.spec)
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -228,7 +232,7 @@ class _Http3Protocol(CoalescingProtocol):
             "headers": headers,
             "client": self._peer(),
             "server": self._transport.get_extra_info("sockname")[:2],
-            "extensions": {},
+            "extensions": extensions,
         }
         request = _RequestStream(self, event.stream_id, scope)
         request.wants_eloquent = dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true")

@@ -18,7 +18,7 @@ class BodyLimit:
         self,
         app: ASGIApp,
         max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        on_refuse: Callable[[], None] = lambda: None,
+        on_refuse: Callable[[Scope], None] = lambda scope: None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -30,7 +30,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(send)
+            await self._refuse(scope, send)
             return
         received = 0
         refused = False
@@ -46,7 +46,7 @@ class BodyLimit:
                     # Answer now, and tell the app its client is gone: frameworks turn errors
                     # raised while they read the body into their own 400.
                     refused = True
-                    await self._refuse(send)
+                    await self._refuse(scope, send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -56,8 +56,8 @@ class BodyLimit:
 
         await self.app(scope, counting_receive, guarded_send)
 
-    async def _refuse(self, send: Send) -> None:
-        self.on_refuse()
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        self.on_refuse(scope)
         body = json.dumps(
             {
                 "error": {

@@ -8,16 +8,46 @@ Sources, in order of trust:
    tie, the less urgent one).
 Without either header the tier's default applies. A tier that does not grant a class can never
 reach it.
+
+A request is classified once, where it reaches the server, and its arrival time taken there: the
+HTTP/3 server does it when a stream's HEADERS arrive, `TagRequests` for HTTP/1.1 (with the time the
+server began to parse the request). The result, a `RequestTag`, reaches the app through the ASGI
+scope, so the app's deadline, TTFT and SLO all run from the real arrival, and nothing classifies
+again. Behind an edge front-end, the edge forwards its own tag in `x-edge-*` headers; the back-end
+keeps it only when they come with the key of a `trusted_edge` tier.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from config import Deployment, QosClass, Tier
 from transport.schedulers import StreamSpec
+
+TAG = "qos"
+"""The key of the request's `RequestTag` in `scope["extensions"]`."""
+ARRIVAL = "arrival"
+"""The key under which an HTTP server may stamp, in `scope["extensions"]`, the time.monotonic() at
+which it began to read a request, when that is earlier than the app sees it."""
+
+EDGE_KEY = "x-edge-key"
+"""The edge's own key (a key of a `trusted_edge` tier), beside the client's Authorization."""
+EDGE_AGE = "x-edge-age"
+"""Seconds since the request reached the edge, when the edge sent it on: an age, not a timestamp,
+so no two machines' clocks need to agree. The hop's own transit is not in it."""
+EDGE_CLASS = "x-edge-qos-class"
+EDGE_TIER = "x-edge-tier"
+EDGE_REQUEST_ID = "x-edge-request-id"
+"""The edge's name for the request, kept by the back-end, so both log it under one id."""
+EDGE_HEADERS = (EDGE_KEY, EDGE_AGE, EDGE_CLASS, EDGE_TIER, EDGE_REQUEST_ID)
+_MAX_EDGE_AGE_S = 3600.0
+_REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class QosRejected(Exception):
@@ -33,6 +63,44 @@ class QosRejected(Exception):
 class Classification:
     qos_class: str
     tier: str
+
+
+@dataclass(frozen=True)
+class RequestTag:
+    """What the transport learned about a request as it arrived: made once, read by the app."""
+
+    arrival: float
+    """time.monotonic() when the request reached this server, or the edge that forwarded it."""
+    qos_class: str | None
+    """None when the request was refused (`rejected`)."""
+    tier: str | None
+    spec: StreamSpec
+    """The stream's scheduling tag (HTTP/3)."""
+    rejected: QosRejected | None = None
+    """Why the headers cannot have a class: the app answers with its status."""
+    via_edge: bool = False
+    """The arrival and class came from a trusted edge front-end."""
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Names the request in logs and in the `x-request-id` response header."""
+
+    def forwarded(self, now: float, edge_key: str) -> dict[str, str]:
+        """The headers that carry this tag to a back-end, as an edge sends them at `now`."""
+        headers = {
+            EDGE_KEY: edge_key,
+            EDGE_AGE: f"{max(0.0, now - self.arrival):.6f}",
+            EDGE_REQUEST_ID: self.request_id,
+        }
+        if self.qos_class is not None and self.tier is not None:
+            headers[EDGE_CLASS], headers[EDGE_TIER] = self.qos_class, self.tier
+        return headers
+
+
+def tag_of(scope: Mapping[str, Any]) -> RequestTag | None:
+    return (scope.get("extensions") or {}).get(TAG)
+
+
+Tagger = Callable[[Mapping[str, str], float], RequestTag]
+"""Headers (lower-case names) and the arrival time (time.monotonic()) -> the request's tag."""
 
 
 _URGENCY = re.compile(r"(?:^|,)\s*u\s*=\s*([0-7])\s*(?:,|;|$)")
@@ -87,18 +155,43 @@ class QosClassifier:
             return Classification(nearest, tier_name)
         return Classification(tier.default, tier_name)
 
-    def stream_spec(
+    def tag(
         self, headers: Mapping[str, str], now: float, soft_deadlines: bool = True
-    ) -> StreamSpec:
-        """The scheduling tag of a stream carrying a request with these headers. A request the
-        classifier refuses gets the untagged spec: it is answered with a 4xx at once anyway."""
+    ) -> RequestTag:
+        """The tag of a request with these headers that arrived at `now`. A request the
+        classifier refuses gets the untagged stream spec: it is answered with a 4xx at once."""
+        via_edge = self._from_trusted_edge(headers)
+        arrival, named = now, {}
+        if via_edge:
+            arrival = now - _age(headers.get(EDGE_AGE))
+            if _REQUEST_ID.fullmatch(edge_id := headers.get(EDGE_REQUEST_ID, "")):
+                named["request_id"] = edge_id
+            qos_class, tier = headers.get(EDGE_CLASS), headers.get(EDGE_TIER)
+            if qos_class in self.classes and tier in self.tiers:
+                spec = self._spec(qos_class, arrival, soft_deadlines)
+                return RequestTag(arrival, qos_class, tier, spec, via_edge=True, **named)
         try:
-            qos_class = self.classes[self.classify(headers).qos_class]
-        except QosRejected:
-            return StreamSpec()
+            found = self.classify(headers)
+        except QosRejected as exc:
+            return RequestTag(arrival, None, None, StreamSpec(), exc, via_edge, **named)
+        spec = self._spec(found.qos_class, arrival, soft_deadlines)
+        return RequestTag(arrival, found.qos_class, found.tier, spec, None, via_edge, **named)
+
+    def edge_key(self) -> str | None:
+        """A key of a trusted_edge tier, for an edge to forward its tags with; None if none."""
+        return next(
+            (key for key, tier in self.api_keys.items() if self.tiers[tier].trusted_edge), None
+        )
+
+    def _from_trusted_edge(self, headers: Mapping[str, str]) -> bool:
+        tier = self.api_keys.get((headers.get(EDGE_KEY) or "").strip())
+        return tier is not None and self.tiers[tier].trusted_edge
+
+    def _spec(self, name: str, arrival: float, soft_deadlines: bool) -> StreamSpec:
+        qos_class = self.classes[name]
         return StreamSpec(
             priority=7 - qos_class.urgency,
-            deadline=now + qos_class.deadline_s,
+            deadline=arrival + qos_class.deadline_s,
             high=qos_class.level == "high",
             soft=soft_deadlines,
         )
@@ -112,6 +205,47 @@ class QosClassifier:
         if self.anonymous_tier is None:
             raise QosRejected(401, "A valid API key is required (Authorization: Bearer <key>).")
         return self.anonymous_tier
+
+
+def _age(value: str | None) -> float:
+    try:
+        age = float(value or 0)
+    except ValueError:
+        return 0.0
+    return min(age, _MAX_EDGE_AGE_S) if math.isfinite(age) and age > 0 else 0.0
+
+
+class TagRequests:
+    """ASGI middleware: tags every HTTP request that its server has not tagged already (HTTP/3
+    tags at HEADERS), with the arrival the server stamped (`ARRIVAL`) or else the time now, and
+    names the request in an `x-request-id` header on its response, unless the app already did
+    (an edge relays its back-end's)."""
+
+    def __init__(self, app: Any, tag: Tagger) -> None:
+        self.app = app
+        self.tag = tag
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        extensions = scope.setdefault("extensions", {})
+        request_tag = extensions.get(TAG)
+        if request_tag is None:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            arrival = extensions.get(ARRIVAL) or time.monotonic()
+            request_tag = extensions[TAG] = self.tag(headers, arrival)
+        request_id = request_tag.request_id.encode()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers.append((b"x-request-id", request_id))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _urgency(priority: str | None) -> int | None:

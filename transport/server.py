@@ -1,7 +1,9 @@
 """Serve one ASGI app over HTTP/3 (UDP) and HTTP/1.1 (TCP, uvicorn) at once.
 
 The app's lifespan runs once, here, not once per server. HTTP/1.1 answers carry `Alt-Svc` so that
-clients that can, move to HTTP/3 (RFC 7838).
+clients that can, move to HTTP/3 (RFC 7838). The HTTP/3 server tags each request at its HEADERS
+(`Http3Settings.tag`); the HTTP/1.1 server stamps when it began to read one, for the app's
+`transport.qos.TagRequests` to tag it with.
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from transport.http3 import ASGIApp, Http3Server, Http3Settings, Lifespan
+from transport.qos import ARRIVAL
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,16 @@ class AltSvc:
         await self.app(scope, receive, send_with_alt_svc)
 
 
+class ArrivalStampingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, stamping each request with the time its first bytes were
+    parsed: the earliest this server can know of it. The app sees the request later, after the
+    headers and whatever else the event loop had to do first."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {ARRIVAL: time.monotonic()}
+
+
 @dataclass
 class Listen:
     host: str = "127.0.0.1"
@@ -57,12 +72,18 @@ class DualServer:
     """Start with `async with DualServer(...)`; `ports` holds what was bound (port 0 picks one)."""
 
     def __init__(
-        self, app: ASGIApp, listen: Listen, h3: Http3Settings, log_level: str = "info"
+        self,
+        app: ASGIApp,
+        listen: Listen,
+        h3: Http3Settings,
+        log_level: str = "info",
+        access_log: bool = True,
     ) -> None:
         self.app = app
         self.listen = listen
         self.h3_settings = h3
         self.log_level = log_level
+        self.access_log = access_log
         self.tcp_port: int | None = None
         self.udp_port: int | None = None
         self._lifespan = Lifespan(app)
@@ -92,7 +113,9 @@ class DualServer:
             port=self.listen.tcp_port or 0,
             lifespan="off",
             log_level=self.log_level,
+            access_log=self.access_log,
             timeout_graceful_shutdown=5,
+            http=ArrivalStampingProtocol,
         )
         self._uvicorn = uvicorn.Server(config)
         # Signals are ours (serve_forever), not uvicorn's.

@@ -2,7 +2,7 @@
 
 The summary uses `vllm bench serve`'s metric set and definitions, so the two can be compared:
 TTFT (send to first content), TPOT ((E2EL - TTFT) / (output tokens - 1)), ITL (every gap between
-content chunks), E2EL (send to end of stream), each as mean, median, std and p99; request, output
+content chunks), E2EL (send to the last content), each as mean, median, std and p99; request, output
 and total token throughput over the run's duration. On top of them: SLO attainment and goodput per
 QoS class (the SLO is models.yaml's, tested by `Slo.met`), each model's share, and the router's
 reward (quality if the SLO was met, else 0), over the run and over sliding windows of 20 requests
@@ -32,6 +32,10 @@ class Outcome:
     """Scheduled send time, from the start of the run."""
     lag_s: float = 0.0
     """How late the generator actually sent it; large values mean the client could not keep up."""
+    credit_wait_s: float = 0.0
+    """HTTP/3: how long it then waited in the client for stream credit (not in TTFT or E2EL)."""
+    server_request_id: str | None = None
+    """The server's x-request-id, to find the request in the server's log."""
     status: int | None = None
     error_kind: str | None = None
     error: str | None = None

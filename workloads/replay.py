@@ -1,9 +1,15 @@
 """`python -m workloads.replay`: an open-loop load generator against a live endpoint.
 
-Requests go out at their arrival times whether or not earlier ones have finished, over HTTP/3 (one
-QUIC connection, a stream per request) or HTTP/1.1 (a connection per in-flight request), to the
-server directly or through the edge front-end. Every request ends as one `Outcome`: completed, or
-an error of a named kind; the summary counts both. Results go to JSON, a PNG and a printed table.
+Requests go out at their arrival times whether or not earlier ones have finished, over HTTP/3
+(streams spread over `--connections` QUIC connections) or HTTP/1.1 (aiohttp, as `vllm bench serve`
+uses, with a pool of keep-alive connections and no limit on their number), to the server directly
+or through the edge front-end. Every request ends as one `Outcome`: completed, or an error of a
+named kind; the summary counts both. Results go to JSON, a PNG and a printed table.
+
+A load generator that falls behind measures itself, not the server. So the run reports how late
+requests went out (send lag), how long HTTP/3 requests waited for stream credit, and how much of a
+core the client used, and it says so, on screen and in the JSON, when any of them means the
+server never saw the load that was asked of it.
 """
 
 from __future__ import annotations
@@ -16,23 +22,16 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
+import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from transport.client import (
-    ChatResult,
-    Http3Client,
-    StreamError,
-    error_message,
-    read_chat_stream,
-    split_url,
-    stream_chat,
-)
+from transport.client import Http3Pool, StreamError, split_url
 from workloads.arrivals import (
     ArrivalProcess,
     Gamma,
@@ -40,6 +39,7 @@ from workloads.arrivals import (
     arrival_stats,
     maf1,
 )
+from workloads.chat import ChatResult, chat_h1, chat_h3
 from workloads.generate import (
     Sessions,
     TaskShape,
@@ -82,87 +82,76 @@ def request_headers(request: Request, api_key: str | None) -> dict[str, str]:
     return headers
 
 
+MAX_P99_LAG_S = 0.050
+"""Past this p99 send lag (or HTTP/3 stream-credit wait), the run says the client could not
+keep up."""
+MAX_CLIENT_CPU = 0.90
+"""Past this share of one core over the run, the run says the client was CPU-bound."""
+
+
 class Client:
     """Sends one request and returns its `ChatResult`, over the chosen protocol."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.h3: Http3Client | None = None
-        self.h1: httpx.AsyncClient | None = None
+        self.h3: Http3Pool | None = None
+        self.h1: aiohttp.ClientSession | None = None
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Client]:
         verify: bool | str = self.args.cacert or not self.args.insecure
         if self.args.proto == "h3":
             host, port = split_url(self.args.url)
-            async with Http3Client(host, port, verify=verify) as self.h3:
+            async with Http3Pool(host, port, self.args.connections, verify=verify) as self.h3:
                 yield self
         else:
-            # No pool limit: an open loop must never queue requests behind a busy connection.
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            timeout = httpx.Timeout(self.args.timeout, connect=30)
-            async with httpx.AsyncClient(
-                base_url=self.args.url, verify=verify, limits=limits, timeout=timeout
-            ) as self.h1:
+            # As `vllm bench serve`: keep-alive connections, as many as requests in flight (an
+            # open loop must never queue behind a busy connection), the same idle timeout.
+            ssl: Any = False if self.args.insecure else None
+            if isinstance(verify, str):
+                import ssl as ssl_module
+
+                ssl = ssl_module.create_default_context(cafile=verify)
+            connector = aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=60, enable_cleanup_closed=True, ssl=ssl
+            )
+            timeout = aiohttp.ClientTimeout(total=None, connect=30)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as self.h1:
                 yield self
 
     async def send(self, request: Request) -> ChatResult:
         body = request_body(request, self.args.model, self.args.ignore_eos)
         headers = request_headers(request, self.args.api_key)
         if self.h3 is not None:
-            extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens")}
-            return await stream_chat(
-                self.h3,
-                body["messages"],
-                model=self.args.model,
-                max_tokens=request.max_tokens or 0,
-                headers=headers,
-                extra=extra,
-            )
+            return await chat_h3(self.h3, body, headers)
         assert self.h1 is not None
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        async with self.h1.stream(
-            "POST", "/v1/chat/completions", json=body, headers=headers
-        ) as response:
-            result = ChatResult(
-                "",
-                response.headers.get("x-model"),
-                response.headers.get("x-replica"),
-                response.status_code,
-                None,
-                [],
-            )
-            if response.status_code != 200:
-                result.error = error_message((await response.aread()).decode(errors="replace"))
-                return result
-            await read_chat_stream(response.aiter_lines(), result, start)
-        return result
+        return await chat_h1(self.h1, self.args.url, body, headers)
 
 
 async def run_one(
     client: Client, request: Request, start: float, deployment: Deployment, timeout: float
 ) -> Outcome:
-    loop = asyncio.get_running_loop()
     outcome = Outcome(
         request.request_id,
         request.qos_class,
         request.task,
         request.arrival,
-        lag_s=max(0.0, loop.time() - start - request.arrival),
+        lag_s=max(0.0, time.perf_counter() - start - request.arrival),
     )
     try:
         result = await asyncio.wait_for(client.send(request), timeout)
     except TimeoutError:
         outcome.error_kind, outcome.error = "timeout", f"no complete response in {timeout:g} s"
         return outcome
-    except (StreamError, httpx.TransportError) as exc:
+    except (StreamError, aiohttp.ClientError, OSError) as exc:
         outcome.error_kind, outcome.error = "connection", f"{type(exc).__name__}: {exc}"
         return outcome
     except Exception as exc:  # noqa: BLE001 - a malformed reply is this request's error, counted
         outcome.error_kind, outcome.error = "bad_response", f"{type(exc).__name__}: {exc}"
         return outcome
     outcome.status, outcome.model, outcome.replica = result.status, result.model, result.replica
+    outcome.server_request_id = result.request_id
+    outcome.credit_wait_s = result.credit_wait_s
     outcome.ttft_s, outcome.itl_s, outcome.e2el_s = result.ttft_s, result.itl_s, result.e2el_s
     usage = result.usage or {}
     outcome.prompt_tokens = usage.get("prompt_tokens", request.prompt_tokens)
@@ -173,8 +162,9 @@ async def run_one(
         outcome.error_kind = f"http_{result.status}" if result.status != 200 else "stream"
         outcome.error = result.error
         return outcome
-    # The SLO runs from the scheduled arrival, so a client that sends late cannot hide it.
-    elapsed = outcome.lag_s + (result.e2el_s or 0.0)
+    # The SLO runs from the scheduled arrival, so a client that sends late or waits for stream
+    # credit cannot hide it.
+    elapsed = outcome.lag_s + outcome.credit_wait_s + (result.e2el_s or 0.0)
     outcome.slo_met = deployment.slo.met(elapsed, outcome.output_tokens)
     outcome.reward = deployment.reward(
         request.task, result.model, request.qos_class, outcome.slo_met
@@ -188,25 +178,29 @@ async def replay(
     deployment: Deployment,
     timeout: float,
     progress: bool = True,
-) -> tuple[list[Outcome], float]:
-    """Send every request at its arrival time; return the outcomes and the run's duration."""
+) -> tuple[list[Outcome], float, float]:
+    """Send every request at its arrival time; return the outcomes, the run's duration and the
+    CPU time this process spent on it (all threads), both in seconds."""
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(workload), unit="req", disable=not progress, dynamic_ncols=True)
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[Outcome]] = set()
+    errors = 0
 
     def finished(task: asyncio.Task[Outcome]) -> None:
+        nonlocal errors
         tasks.discard(task)
         outcome = task.result()
         outcomes.append(outcome)
+        errors += not outcome.completed
         bar.update()
-        errors = sum(not o.completed for o in outcomes)
         bar.set_postfix(in_flight=len(tasks), errors=errors, refresh=False)
 
     async with client.open():
-        start = loop.time()
+        cpu = time.process_time()
+        start = time.perf_counter()
         for request in workload:
-            delay = start + request.arrival - loop.time()
+            delay = start + request.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             task = loop.create_task(run_one(client, request, start, deployment, timeout))
@@ -214,9 +208,47 @@ async def replay(
             task.add_done_callback(finished)
         while tasks:
             await asyncio.wait(set(tasks))
-        duration = loop.time() - start
+        duration = time.perf_counter() - start
+        cpu = time.process_time() - cpu
     bar.close()
-    return outcomes, duration
+    return outcomes, duration, cpu
+
+
+def client_health(outcomes: Sequence[Outcome], duration_s: float, cpu_s: float) -> dict:
+    """How the client itself fared, and a warning for each way it may have fallen behind."""
+    lags = [o.lag_s for o in outcomes]
+    waits = [o.credit_wait_s for o in outcomes]
+    p99_lag = float(np.percentile(lags, 99)) if lags else 0.0
+    p99_wait = float(np.percentile(waits, 99)) if waits else 0.0
+    cpu_share = cpu_s / duration_s if duration_s > 0 else 0.0
+    waited = sum(w > 0 for w in waits)
+    warnings = []
+    if p99_lag > MAX_P99_LAG_S:
+        warnings.append(
+            f"the client sent late: p99 send lag {p99_lag * 1000:.0f} ms "
+            f"(over {MAX_P99_LAG_S * 1000:.0f} ms)"
+        )
+    if cpu_share > MAX_CLIENT_CPU:
+        warnings.append(
+            f"the client used {cpu_share:.0%} of a core (over {MAX_CLIENT_CPU:.0%}): "
+            "it may have timed itself, not the server"
+        )
+    if p99_wait > MAX_P99_LAG_S:
+        warnings.append(
+            f"{waited} requests waited for HTTP/3 stream credit, p99 {p99_wait * 1000:.0f} ms: "
+            "the server saw them late; raise --connections"
+        )
+    return {
+        "p99_lag_ms": p99_lag * 1000,
+        "p99_credit_wait_ms": p99_wait * 1000,
+        "cpu_s": cpu_s,
+        "cpu_share_of_core": cpu_share,
+        "credit_waited": waited,
+        "mean_credit_wait_ms": float(np.mean(waits)) * 1000 if waits else 0.0,
+        "max_credit_wait_ms": max(waits, default=0.0) * 1000,
+        "kept_up": not warnings,
+        "warnings": warnings,
+    }
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -270,6 +302,16 @@ def build_workload(args: argparse.Namespace) -> tuple[WorkloadSpec, str]:
     return WorkloadSpec(arrivals=process, **common), what
 
 
+def exact_rate(workload: list[Request], args: argparse.Namespace) -> list[Request]:
+    """The workload with its arrivals scaled so the last one comes at N / rate (`--exact-rate`)."""
+    if args.arrivals not in ("poisson", "gamma") or args.num_requests is None:
+        raise ValueError("--exact-rate needs --arrivals poisson or gamma and --num-requests")
+    if not workload or workload[-1].arrival <= 0:
+        return workload
+    factor = len(workload) / args.rate / workload[-1].arrival
+    return [replace(r, arrival=r.arrival * factor) for r in workload]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m workloads.replay",
@@ -278,6 +320,13 @@ def parser() -> argparse.ArgumentParser:
     )
     net = p.add_argument_group("endpoint")
     net.add_argument("--proto", choices=["h3", "h1"], default="h3")
+    net.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="h3: QUIC connections to spread the streams over; each carries up to the server's "
+        "stream limit (128 for ours) at once, and a request past that waits for credit",
+    )
     net.add_argument(
         "--url", help="default: https://localhost:8443 (h3), http://localhost:8000 (h1)"
     )
@@ -309,6 +358,13 @@ def parser() -> argparse.ArgumentParser:
     )
     arr.add_argument("--duration", type=float, default=None, help="stop generating after this, s")
     arr.add_argument("--num-requests", type=int, default=None, help="stop after this many")
+    arr.add_argument(
+        "--exact-rate",
+        action="store_true",
+        help="poisson, gamma with --num-requests: stretch the arrival times so that the N "
+        "requests span exactly N / rate seconds, as vllm bench serve does; runs at one rate "
+        "then vary less from seed to seed",
+    )
     arr.add_argument("--seed", type=int, default=0)
     arr.add_argument("--trace", default="conv", help="code, conv or a CSV path")
     arr.add_argument("--trace-dir", default=str(DEFAULT_TRACE_DIR))
@@ -363,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deployment = load_deployment(args.config, args.deployment)
         spec, what = build_workload(args)
         workload = list(requests(spec, args.seed, args.duration, args.num_requests))
+        if args.exact_rate:
+            workload = exact_rate(workload, args)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -371,21 +429,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     stats = arrival_stats([r.arrival for r in workload])
     print(f"{what}: {stats}", file=sys.stderr)
+    if args.connections < 1:
+        print("error: --connections must be at least 1", file=sys.stderr)
+        return 2
     started = time.time()
     try:
-        outcomes, duration = asyncio.run(
+        outcomes, duration, cpu = asyncio.run(
             replay(workload, Client(args), deployment, args.timeout, args.progress)
         )
-    except (ConnectionError, OSError) as exc:
+    except (ConnectionError, OSError, StreamError) as exc:
         print(f"error: cannot connect to {args.url} over {args.proto}: {exc!r}", file=sys.stderr)
         return 2
     summary = summarize(outcomes, duration, args.window)
+    health = client_health(outcomes, duration, cpu)
     print(format_summary(summary, f"{args.proto} {args.url}"))
+    print(
+        f"client: p99 send lag {health['p99_lag_ms']:.1f} ms, {health['cpu_share_of_core']:.0%} "
+        f"of a core, {health['credit_waited']} requests waited for stream credit"
+    )
+    for warning in health["warnings"]:
+        print(f"WARNING: {warning}")
     record = {
         "started": started,
         "command": sys.argv,
         "arrivals": {"description": what, **asdict(stats)},
         "deployment": deployment.name,
+        "client": health,
         "summary": summary,
         "requests": [asdict(o) for o in sorted(outcomes, key=lambda o: o.arrival_s)],
     }
