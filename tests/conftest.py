@@ -64,6 +64,12 @@ class Server:
         assert self.request_log is not None, f"{self.name} keeps no request log"
         return [json.loads(line) for line in self.request_log.read_text().splitlines()]
 
+    def logged(self, request_id: str) -> dict:
+        """The one log line of a request, by its x-request-id."""
+        lines = [line for line in self.requests_logged() if line["request_id"] == request_id]
+        assert len(lines) == 1, f"{len(lines)} log lines for request {request_id}"
+        return lines[0]
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"

@@ -4,6 +4,7 @@ whose delays are known."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -35,12 +36,6 @@ LOG_FIELDS = {
     "queue_s", "route_s", "engine_ttft_s", "ttft_s", "e2e_s", "prompt_tokens", "tokens",
     "outcome", "slo_met",
 }  # fmt: skip
-
-
-def logged(server: Server, request_id: str) -> dict:
-    lines = [line for line in server.requests_logged() if line["request_id"] == request_id]
-    assert len(lines) == 1, f"{len(lines)} log lines for request {request_id}"
-    return lines[0]
 
 
 def counted_outcomes(server: Server) -> Counter:
@@ -81,7 +76,7 @@ async def test_every_request_is_logged_once_and_the_log_matches_the_metrics(
     )
     assert from_log == counted_outcomes(server)
 
-    served = logged(server, ok.headers["x-request-id"])
+    served = server.logged(ok.headers["x-request-id"])
     assert ok.json()["id"] == f"chatcmpl-{served['request_id']}"
     assert (served["protocol"], served["model"], served["outcome"]) == ("1.1", "tiny-s", "ok")
     assert served["tokens"] == 3 and served["tier"] == "anonymous" and not served["via_edge"]
@@ -89,8 +84,8 @@ async def test_every_request_is_logged_once_and_the_log_matches_the_metrics(
     parts = served["queue_s"] + served["route_s"] + served["engine_ttft_s"]
     assert served["ttft_s"] == pytest.approx(parts, abs=2e-6)
     assert 0 <= served["queue_s"] <= served["ttft_s"] <= served["e2e_s"]
-    assert logged(server, late.headers["x-request-id"])["outcome"] == "deadline"
-    assert logged(server, over_h3.request_id)["protocol"] == "3"
+    assert server.logged(late.headers["x-request-id"])["outcome"] == "deadline"
+    assert server.logged(over_h3.request_id)["protocol"] == "3"
 
 
 def test_a_forged_edge_header_is_ignored_and_the_real_key_is_trusted(server: Server) -> None:
@@ -99,12 +94,12 @@ def test_a_forged_edge_header_is_ignored_and_the_real_key_is_trusted(server: Ser
     edge = {"x-edge-age": "30", "x-edge-qos-class": "long", "x-edge-tier": "premium"}
     forged = httpx.post(url, json=body, headers={**edge, "x-edge-key": "guess"}, timeout=60)
     assert forged.status_code == 200 and forged.headers["x-qos-class"] == "free-tier"
-    line = logged(server, forged.headers["x-request-id"])
+    line = server.logged(forged.headers["x-request-id"])
     assert not line["via_edge"] and line["queue_s"] < 30 and line["qos_class"] == "free-tier"
 
     trusted = httpx.post(url, json=body, headers={**edge, "x-edge-key": EDGE_KEY}, timeout=60)
     assert trusted.status_code == 200 and trusted.headers["x-qos-class"] == "long"
-    line = logged(server, trusted.headers["x-request-id"])
+    line = server.logged(trusted.headers["x-request-id"])
     assert line["via_edge"] and line["tier"] == "premium"
     assert 30 <= line["queue_s"] < 60
 
@@ -126,7 +121,7 @@ def test_the_edge_forwards_the_clients_arrival(frontend: Server, server: Server)
     status, *header_lines = response.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
     assert " 200 " in status, response
     headers = dict(line.lower().split(": ", 1) for line in header_lines)
-    line = logged(server, headers["x-request-id"])
+    line = server.logged(headers["x-request-id"])
     # The back-end's clock started when the edge began to read the request, not when the
     # back-end got it; and not 300 s earlier, as the client's own x-edge-* headers claimed.
     assert line["via_edge"] and line["protocol"] == "3"
@@ -193,3 +188,28 @@ def test_streams_past_the_servers_limit_wait_for_credit_unless_spread(
     spread = replay(tmp_path / "spread.json", *burst, "--connections", "2")
     assert spread["summary"]["completed"] == 200
     assert spread["client"]["credit_waited"] == 0
+
+
+async def test_a_request_cancelled_while_it_waits_for_credit_leaves_the_connection_whole(
+    null_server: Server,
+) -> None:
+    assert null_server.h3_port is not None
+    body = json.dumps(chat_body(HELLO, "null", 1)).encode()
+    headers = {"content-type": "application/json"}
+    async with Http3Client("localhost", null_server.h3_port, verify=str(CERT)) as client:
+        limit = client.stream_credit
+        requests = [
+            asyncio.create_task(client.request("POST", "/v1/chat/completions", headers, body))
+            for _ in range(limit + 2)
+        ]
+        while client.stream_credit > -2:  # every request is out or waiting for credit
+            await asyncio.sleep(0.01)
+        for waiting in requests[-2:]:
+            waiting.cancel()
+        answered = await asyncio.gather(*requests[:-2])
+        assert [r.status for r in answered] == [200] * limit
+        for response in answered:
+            assert (await response.read()).endswith(b"data: [DONE]\n\n")
+        # The server never saw a frame for a stream past its limit, so the connection lives.
+        assert client.is_open
+        assert (await client.request("GET", "/v1/models")).status == 200

@@ -74,7 +74,8 @@ async def test_qos_over_http3_needs_a_key_for_real_time(server: Server) -> None:
     assert granted.status == 200 and granted.error is None
 
 
-async def test_reset_stream_aborts_the_engine_request(server: Server) -> None:
+@pytest.mark.parametrize("leaving", ["reset", "stop-sending"])
+async def test_a_client_leaving_aborts_the_engine_request(server: Server, leaving: str) -> None:
     async with h3_client(server) as client:
         body = {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "stream": True}
         response = await client.request(
@@ -84,11 +85,19 @@ async def test_reset_stream_aborts_the_engine_request(server: Server) -> None:
         chunks = response.iter_bytes()
         for _ in range(3):
             await anext(chunks)
-        assert server.metric("serving_engine_unfinished", replica="cpu/tiny-l", model="tiny-l")
-        response.close()  # RESET_STREAM + STOP_SENDING: the client has gone
+        if leaving == "reset":
+            response.close()  # RESET_STREAM + STOP_SENDING: the client has gone
+        else:  # STOP_SENDING alone: the client wants no more of the response
+            client.protocol.quic.stop_stream(response.stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            client.protocol.transmit_soon()
         await asyncio.to_thread(
             wait_until, lambda: _in_flight_is_zero(server), 10, "the engine request to abort"
         )
+    # Aborted, not run to its end: the engine stopped generating when the client left.
+    line = server.logged(response.headers["x-request-id"])
+    assert line["outcome"] == "cancelled" and 3 <= line["tokens"] < 2000
+    # An ordinary way for a client to leave, not a failure of the app.
+    assert "ASGI app failed" not in server.log.read_text(errors="replace")
 
 
 async def test_oversized_body_gets_413(server: Server) -> None:

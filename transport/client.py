@@ -160,6 +160,8 @@ class _ClientProtocol(CoalescingProtocol):
         self.closed: StreamError | None = None
         self._blocked: deque[tuple[int, asyncio.Future[float]]] = deque()
         """Streams opened past the server's stream limit, in id order, and who waits on them."""
+        self._abandoned: set[int] = set()
+        """Streams cancelled while past the limit: reset once the limit covers them."""
 
     @property
     def quic(self) -> ScheduledQuicConnection:
@@ -191,6 +193,23 @@ class _ClientProtocol(CoalescingProtocol):
             _, future = self._blocked.popleft()
             if not future.done():
                 future.set_result(time.perf_counter())
+        for stream_id in [s for s in self._abandoned if s // 4 < limit]:
+            self._abandoned.discard(stream_id)
+            self.cancel(stream_id)
+
+    def cancel(self, stream_id: int) -> None:
+        """Reset a request stream and stop its response: the server sees the client leave.
+
+        aioquic would send RESET_STREAM and STOP_SENDING at once even for a stream past the
+        server's limit, which the server must answer by closing the whole connection
+        (STREAM_LIMIT_ERROR). Such a stream is reset when the limit reaches it instead."""
+        if stream_id // 4 >= self._quic._remote_max_streams_bidi:
+            self._abandoned.add(stream_id)
+            return
+        with suppress(ValueError):  # the stream already finished
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.transmit_soon()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset | StreamExpired):
@@ -375,10 +394,7 @@ class Http3Client:
         if protocol is None or protocol.closed is not None:
             return
         protocol.pending.pop(stream_id, None)
-        with suppress(ValueError):  # the stream already finished
-            protocol.quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-            protocol.quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-        protocol.transmit_soon()
+        protocol.cancel(stream_id)
 
 
 class Http3Pool:

@@ -105,14 +105,21 @@ class ScheduledQuicConnection(QuicConnection):
         self._round_open = True
         # Control streams, and control frames and discards, are not bandwidth: they go first
         # whatever the order (a stream reset at its deadline has left the scheduler).
-        first = list(self._unscheduled.values()) + [
-            s
-            for s in self._owned.values()
-            if s.sender.reset_pending or s.receiver.stop_pending or s.is_finished
-        ]
+        first = list(self._unscheduled.values())
+        sendable = False
+        for s in self._owned.values():
+            if s.sender.reset_pending or s.receiver.stop_pending or s.is_finished:
+                first.append(s)
+            elif not s.is_blocked and not s.sender.buffer_is_empty:
+                sendable = True
         for stream in first:
             self._round[stream.stream_id] = _Served(stream, stream.sender.highest_offset)
             yield stream
+        if not sendable:
+            # No stream has bytes to send (a packet of ACKs only, or every response waiting for
+            # its next token): the order cannot matter, so the scheduler is left untouched
+            # rather than popping and requeueing every idle stream.
+            return
         while (stream_id := self.scheduler.pop(self._now)) is not None:
             if stream_id in self._round:
                 self._round[stream_id].popped = True

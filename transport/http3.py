@@ -10,8 +10,9 @@ handling. This module adds exactly those:
   `BodyLimit` answers 413), and the per-connection stream count is held to `max_streams` (QUIC's
   own MAX_STREAMS);
 - lifespan: `Lifespan` runs the app's startup and shutdown, once, whoever serves it;
-- disconnects: a stream reset by the client, a stream dropped at its deadline by the scheduler,
-  or a closed connection turns into `http.disconnect` on the app's `receive()`.
+- disconnects: a stream reset (or its response refused with STOP_SENDING) by the client, a
+  stream dropped at its deadline by the scheduler, or a closed connection turns into
+  `http.disconnect` on the app's `receive()`.
 Each request is tagged once, when its HEADERS arrive, by `tag(headers, now)`: the tag's stream spec
 goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`.
 """
@@ -33,7 +34,13 @@ from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
 from transport.connection import (
     CoalescingProtocol,
@@ -159,7 +166,9 @@ class _Http3Protocol(CoalescingProtocol):
         if isinstance(event, ProtocolNegotiated):
             if event.alpn_protocol in H3_ALPN:
                 self._h3 = H3Connection(self._quic, enable_webtransport=True)
-        elif isinstance(event, StreamReset | StreamExpired):
+        elif isinstance(event, StreamReset | StreamExpired | StopSendingReceived):
+            # STOP_SENDING: the client wants no more of the response (aioquic has already reset
+            # our side of the stream), which is a disconnect as much as a reset is.
             request = self._requests.pop(event.stream_id, None)
             if request is not None:
                 request.disconnect()
@@ -288,7 +297,7 @@ class _RequestStream:
             if not self._started:
                 logger.error("ASGI app returned no response on stream %d", self.stream_id)
                 self._respond_plain(500, b"Internal Server Error")
-            elif not self._finished:
+            elif not self._finished and not self._disconnected:
                 self._write(b"", end_stream=True)
         finally:
             self.protocol.request_finished(self.stream_id)
@@ -367,7 +376,7 @@ class _RequestStream:
     def _write(self, data: bytes, end_stream: bool) -> None:
         try:
             self.protocol.h3.send_data(self.stream_id, data, end_stream)
-        except (ValueError, AssertionError):  # the stream was reset under us
+        except (ValueError, AssertionError, RuntimeError, H3Error):  # reset under us
             self.disconnect()
             return
         self._finished = end_stream
