@@ -5,10 +5,10 @@ and writes one JSON line per request (`python -m serving --request-log FILE`); t
 generator times it from the moment it went out and records the server's `x-request-id`. Joined
 by that id, client TTFT - server TTFT is what neither side's clock covers: the request's way to
 the server and into its event loop, and the first token's way back into the client's parser.
-A probe beside the load measures the floor of that, the round trip of `GET /healthz`, so the gap
-can be compared with the network and client time it should be made of. The server's TTFT
-histogram (`serving_ttft_seconds`, its mean over the run) is compared too, as a dashboard shows
-it.
+A probe beside the load measures the floor of that, the round trip of `GET /healthz` over the
+same protocol, so the gap can be compared with the network and client time it should be made
+of. The server's TTFT histogram (`serving_ttft_seconds`, its mean over the run) is compared
+too, as a dashboard shows it.
 
     python -m serving --request-log results/requests.jsonl      # in another terminal
     python benchmarks/reconcile_ttft.py --log results/requests.jsonl --rate 40
@@ -26,7 +26,16 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from transport.client import Http3Client, split_url
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def udp_receive_drops() -> int:
+    """Datagrams the kernel dropped for full socket receive buffers so far (Linux)."""
+    lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines()]
+    header, values = [row for row in lines if row[0] == "Udp:"][:2]
+    return int(values[header.index("RcvbufErrors")])
 
 
 def histogram_totals(metrics: str, name: str) -> tuple[float, float]:
@@ -40,16 +49,25 @@ def histogram_totals(metrics: str, name: str) -> tuple[float, float]:
     return total, count
 
 
-async def probe(url: str, stop: asyncio.Event, every_s: float = 0.1) -> list[float]:
-    """Round trips of GET /healthz on one kept-alive connection until `stop`."""
+async def probe(args: argparse.Namespace, proto: str, stop: asyncio.Event) -> list[float]:
+    """Round trips of GET /healthz over `proto`, on one kept-alive connection, until `stop`."""
     rtts = []
-    async with aiohttp.ClientSession() as session:
+    if proto == "h1":
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                start = time.perf_counter()
+                async with session.get(args.url + "/healthz") as response:
+                    await response.read()
+                rtts.append(time.perf_counter() - start)
+                await asyncio.sleep(0.1)
+        return rtts
+    host, port = split_url(args.h3_url)
+    async with Http3Client(host, port, verify=args.cacert) as client:
         while not stop.is_set():
             start = time.perf_counter()
-            async with session.get(url + "/healthz") as response:
-                await response.read()
+            await (await client.request("GET", "/healthz")).read()
             rtts.append(time.perf_counter() - start)
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(0.1)
     return rtts
 
 
@@ -63,7 +81,8 @@ async def measure(args: argparse.Namespace, proto: str, out: Path) -> dict:
     url = args.url if proto == "h1" else args.h3_url
     extra = [] if proto == "h1" else ["--connections", "4", "--cacert", args.cacert]
     stop = asyncio.Event()
-    prober = asyncio.create_task(probe(args.url, stop))
+    drops = udp_receive_drops()
+    prober = asyncio.create_task(probe(args, proto, stop))
     replay = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "workloads.replay", "--proto", proto, "--url", url,
         "--model", args.model, "--rate", str(args.rate), "--num-requests", str(args.num_requests),
@@ -72,6 +91,7 @@ async def measure(args: argparse.Namespace, proto: str, out: Path) -> dict:
     )  # fmt: skip
     await replay.wait()
     stop.set()
+    drops = udp_receive_drops() - drops
     rtts = await prober
     after = await metrics_text(args.url)
     s0, c0 = histogram_totals(before, "serving_ttft_seconds")
@@ -84,6 +104,7 @@ async def measure(args: argparse.Namespace, proto: str, out: Path) -> dict:
         "probe_rtt_s": rtts,
         "histogram_mean_ttft_s": (s1 - s0) / (c1 - c0) if c1 > c0 else None,
         "mean_loop_lag_s": (lag1 - lag0) / (lagc1 - lagc0) if lagc1 > lagc0 else None,
+        "udp_receive_drops": drops,
     }
 
 
@@ -135,6 +156,7 @@ def main() -> int:
             "server_queue_ms": {q: ms(queue, q) for q in (50, 99)},
             "probe_rtt_ms": {q: ms(rtt, q) for q in (50, 90, 99)},
             "mean_loop_lag_ms": (run["mean_loop_lag_s"] or 0) * 1000,
+            "udp_receive_drops": run["udp_receive_drops"],
         }
         r = report[proto]
         print(f"\n{proto}: {r['matched']} of {r['sent']} requests matched by x-request-id")
@@ -145,11 +167,12 @@ def main() -> int:
         gap = r["gap_ms"]
         print(f"  client - server, per request: p1 {gap[1]:.2f}, p50 {gap[50]:.2f}, "
               f"p90 {gap[90]:.2f}, p99 {gap[99]:.2f} ms")  # fmt: skip
-        print(f"  GET /healthz round trip under the same load: p50 "
+        print(f"  GET /healthz round trip over {proto}, under the same load: p50 "
               f"{r['probe_rtt_ms'][50]:.2f}, p90 {r['probe_rtt_ms'][90]:.2f}, p99 "
               f"{r['probe_rtt_ms'][99]:.2f} ms; server queue (arrival to handler) p50 "
               f"{r['server_queue_ms'][50]:.2f}, p99 {r['server_queue_ms'][99]:.2f} ms; "
-              f"mean event-loop lag {r['mean_loop_lag_ms']:.2f} ms")  # fmt: skip
+              f"mean event-loop lag {r['mean_loop_lag_ms']:.2f} ms; UDP datagrams dropped "
+              f"by full receive buffers: {r['udp_receive_drops']}")  # fmt: skip
     Path(args.out).write_text(json.dumps({"args": vars(args), "protocols": report}, indent=1))
     return 0
 

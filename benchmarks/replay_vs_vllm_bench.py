@@ -11,6 +11,13 @@ identical, loads; the replay runs with --exact-rate, because vllm bench stretche
 times so that N requests span exactly N / rate seconds. With --h3,
 `workloads.replay --proto h3 --connections 4` joins the rotation.
 
+A busy two-core server drifts from round to round, so two clients' medians can differ because
+the server did, not because either measured wrong. With --server-log (the server's
+`--request-log`), each client's requests are also found in the server's log (vllm bench names
+its requests with x-request-id, the replay records the server's), and the table gains what
+each client added to the server's own TTFT and E2E, request by request: a measure of the
+client alone.
+
     make serve                                   # in another terminal
     python benchmarks/replay_vs_vllm_bench.py --rates 2,10,40 --rounds 5 --h3
 """
@@ -78,13 +85,44 @@ def run_vllm_bench(
          "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "-1",
          "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n),
          "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos",
-         "--percentile-metrics", ",".join(METRICS), "--save-result", "--result-dir",
-         str(out.parent), "--result-filename", out.name, "--disable-tqdm"],
+         "--percentile-metrics", ",".join(METRICS), "--save-result", "--save-detailed",
+         "--request-id-prefix", f"{out.stem}-", "--result-dir", str(out.parent),
+         "--result-filename", out.name, "--disable-tqdm"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
+
+
+def client_minus_server(who: str, result: dict, out: Path, log: dict[str, dict]) -> dict:
+    """Median over requests of client TTFT - server TTFT and client E2EL - server E2E (ms)."""
+    if who == "vllm":
+        client = [
+            (f"{out.stem}-{i}", ttft, latency)
+            for i, (ttft, latency, error) in enumerate(
+                zip(result["ttfts"], result["latencies"], result["errors"], strict=True)
+            )
+            if not error
+        ]
+    else:
+        requests = json.loads(out.read_text())["requests"]
+        client = [
+            (r["server_request_id"], r["ttft_s"], r["e2el_s"])
+            for r in requests
+            if r["error_kind"] is None
+        ]
+    pairs = [(log[rid], ttft, e2el) for rid, ttft, e2el in client if rid in log]
+    return {
+        "matched": len(pairs),
+        "ttft_ms": statistics.median((t - s["ttft_s"]) * 1000 for s, t, _ in pairs),
+        "e2el_ms": statistics.median((e - s["e2e_s"]) * 1000 for s, _, e in pairs),
+    }
+
+
+def read_log(path: Path) -> dict[str, dict]:
+    lines = (json.loads(line) for line in path.read_text().splitlines())
+    return {line["request_id"]: line for line in lines if line["outcome"] == "ok"}
 
 
 def server_cpu_s(url: str) -> float:
@@ -112,6 +150,7 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--h3", action="store_true", help="also replay over HTTP/3, 4 connections")
+    p.add_argument("--server-log", type=Path, help="the server's --request-log, to join with")
     p.add_argument("--out", default="results/replay_vs_vllm_bench.json")
     args = p.parse_args()
     work = ROOT / "results" / "replay_vs_vllm_bench"
@@ -142,9 +181,14 @@ def main() -> int:
                     got[who] = run_replay(args, proto, rate, n, seed, out)
                 tokens = got[who]["total_output_tokens"]
                 got[who]["server_cpu_us_per_token"] = (server_cpu_s(args.url) - cpu) / tokens * 1e6
+                if args.server_log:
+                    log = read_log(args.server_log)
+                    got[who]["over_server"] = client_minus_server(who, got[who], out, log)
+                for detail in ("ttfts", "itls", "latencies", "start_times", "generated_texts"):
+                    got[who].pop(detail, None)  # vllm bench's per-request lists: in its file
             rounds.append(got)
         result["rates"][f"{rate:g}"] = summarize_rate(rate, n, rounds, clients)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -199,6 +243,16 @@ def summarize_rate(rate: float, n: int, rounds: list[dict], clients: list[str]) 
         kept_up,
         cpu,
     )
+    if all("over_server" in r[who] for r in rounds for who in clients):
+        print("client minus server, per request, median over requests then over rounds:")
+        table["over_server"] = {}
+        for who in clients:
+            over = {
+                m: statistics.median(r[who]["over_server"][f"{m}_ms"] for r in rounds)
+                for m in ("ttft", "e2el")
+            }
+            table["over_server"][who] = over
+            print(f"  {who:<10} TTFT +{over['ttft']:.2f} ms, E2EL +{over['e2el']:.2f} ms")
     return table
 
 

@@ -110,3 +110,9 @@ def test_an_unreadable_edge_age_counts_as_none(edge_aware: QosClassifier) -> Non
         assert tag.via_edge and tag.arrival == 100.0 and tag.qos_class == "free-tier"
     capped = edge_aware.tag({"x-edge-key": "edge-secret", "x-edge-age": "1e9"}, now=1e4)
     assert capped.arrival == 1e4 - 3600
+
+
+def test_a_client_may_name_its_request(edge_aware: QosClassifier) -> None:
+    assert edge_aware.tag({"x-request-id": "bench-1a2b-17"}, now=0.0).request_id == "bench-1a2b-17"
+    for unfit in ("", "has space", "x" * 129, "semi;colon"):
+        assert edge_aware.tag({"x-request-id": unfit}, now=0.0).request_id != unfit

@@ -31,6 +31,7 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
+    widen_receive_buffer,
 )
 from transport.eloquent import EloquentFormatError, EloquentReceiver, SseEvents
 from transport.schedulers import StreamSpec
@@ -311,6 +312,7 @@ class Http3Client:
             wait_connected=True,
         )
         self._protocol = await self._context.__aenter__()
+        widen_receive_buffer(self._protocol._transport.get_extra_info("socket"))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -21,6 +21,8 @@ work behind the stream. It runs the same on the client side (requests) and on th
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -236,3 +238,15 @@ class CoalescingProtocol(QuicConnectionProtocol):
     def _transmit_now(self) -> None:
         self._transmit_pending = False
         self.transmit()
+
+
+UDP_RECEIVE_BUFFER = 4 * 2**20
+"""Bytes. Linux's default (208 KiB) overflows in bursts at a few hundred packets in flight:
+every datagram dropped there is a QUIC loss, recovered only after a probe timeout. QUIC stacks
+ask for more (quic-go: 7 MiB); the kernel caps the request at net.core.rmem_max."""
+
+
+def widen_receive_buffer(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)

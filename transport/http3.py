@@ -47,6 +47,7 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
+    widen_receive_buffer,
 )
 from transport.eloquent import EloquentFormatError, EloquentSender, SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
@@ -139,6 +140,7 @@ class Http3Server:
             create_protocol=create_protocol,
         )  # fmt: skip
         self.port = self._server._transport.get_extra_info("sockname")[1]
+        widen_receive_buffer(self._server._transport.get_extra_info("socket"))
 
     def close(self) -> None:
         if self._server is not None:

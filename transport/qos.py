@@ -48,6 +48,7 @@ EDGE_REQUEST_ID = "x-edge-request-id"
 EDGE_HEADERS = (EDGE_KEY, EDGE_AGE, EDGE_CLASS, EDGE_TIER, EDGE_REQUEST_ID)
 _MAX_EDGE_AGE_S = 3600.0
 _REQUEST_ID = re.compile(r"[0-9a-f]{32}")
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class QosRejected(Exception):
@@ -81,7 +82,8 @@ class RequestTag:
     via_edge: bool = False
     """The arrival and class came from a trusted edge front-end."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    """Names the request in logs and in the `x-request-id` response header."""
+    """Names the request in logs and in the `x-request-id` response header: the client's own
+    `x-request-id` when it sends a well-formed one, else a fresh one."""
 
     def forwarded(self, now: float, edge_key: str) -> dict[str, str]:
         """The headers that carry this tag to a back-end, as an edge sends them at `now`."""
@@ -162,6 +164,10 @@ class QosClassifier:
         classifier refuses gets the untagged stream spec: it is answered with a 4xx at once."""
         via_edge = self._from_trusted_edge(headers)
         arrival, named = now, {}
+        # A client may name its request (x-request-id, as vLLM's server allows); a trusted edge
+        # passes on its own name for it.
+        if _CLIENT_REQUEST_ID.fullmatch(client_id := headers.get("x-request-id", "")):
+            named["request_id"] = client_id
         if via_edge:
             arrival = now - _age(headers.get(EDGE_AGE))
             if _REQUEST_ID.fullmatch(edge_id := headers.get(EDGE_REQUEST_ID, "")):
