@@ -513,3 +513,52 @@ def test_pifo_lazy_deletion_is_compacted() -> None:
     assert len(scheduler._heap._heap) <= 2 * 500 + 1
     order = pop_all(scheduler)
     assert len(order) == 500 and len(set(order)) == 500
+
+
+def containers(obj: object, path: str = "") -> dict[str, int]:
+    """The size of every dict, set and list the scheduler keeps, by attribute path, through
+    its queues (any object of transport.schedulers it holds)."""
+    names = getattr(obj, "__slots__", None) or vars(obj)
+    sizes: dict[str, int] = {}
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, dict | set | list):
+            sizes[f"{path}{name}"] = len(value)
+        elif type(value).__module__ == "transport.schedulers":
+            sizes |= containers(value, f"{path}{name}.")
+    return sizes
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_nothing_is_kept_once_every_stream_has_gone(name: str) -> None:
+    # Streams end every way a connection ends them: finished while popped (the usual way),
+    # reset while queued or popped, re-tagged between classes while popped, expired queued or
+    # popped (edf, ml's high class). A long-lived connection must not keep anything for them.
+    rng = random.Random(3)
+    link = Link(make_scheduler(name), pop_all=True)
+    scheduler = link.scheduler
+    for stream_id in range(400):
+        spec = StreamSpec(
+            priority=rng.randint(1, 10),
+            deadline=rng.choice([None, rng.uniform(0.01, 1.0)]),
+            high=rng.random() < 0.7,
+            soft=rng.random() < 0.3,
+        )
+        link.add(stream_id, rng.randint(100, 4000), spec)
+    for k in range(60):
+        stream_id = scheduler.pop(0.0)
+        assert stream_id is not None
+        if k % 3 == 0:
+            scheduler.remove(stream_id)
+            del link.left[stream_id]
+        else:
+            if k % 3 == 1:
+                spec = StreamSpec(high=rng.random() < 0.5, deadline=rng.uniform(0.01, 1.0))
+                scheduler.update(stream_id, spec)
+            scheduler.requeue(stream_id, 0, 0.0)
+    for stream_id in rng.sample(sorted(link.left), 20):
+        scheduler.remove(stream_id)
+        del link.left[stream_id]
+    link.run()
+    assert not link.left and len(scheduler) == 0
+    assert {path: n for path, n in containers(scheduler).items() if n} == {}

@@ -488,6 +488,11 @@ class EdfScheduler(Scheduler):
     def _pop_next(self, now: float) -> int | None:
         return self._queue.pop(now)
 
+    def _forget(self, stream_id: int) -> None:
+        # A stream that ends while popped never passes through `_delete`: its deadline flag,
+        # kept in the queue for when it comes back, must go now.
+        self._queue.delete(stream_id)
+
     def _take_expired(self, now: float) -> list[int]:
         return self._queue.take_expired(now)
 
@@ -591,6 +596,8 @@ class MultiLevelScheduler(Scheduler):
             self._low.rotate(stream_id)
 
     def _forget(self, stream_id: int) -> None:
+        # As in `edf`: a high stream that ends while popped leaves state in the high queue.
+        self._high.delete(stream_id)
         self._low.forget(stream_id)
 
     def _take_expired(self, now: float) -> list[int]:
