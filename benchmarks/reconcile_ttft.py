@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -51,21 +52,25 @@ def histogram_totals(metrics: str, name: str) -> tuple[float, float]:
 
 async def probe(args: argparse.Namespace, proto: str, stop: asyncio.Event) -> list[float]:
     """Round trips of GET /healthz over `proto`, on one kept-alive connection, until `stop`."""
-    rtts = []
-    if proto == "h1":
-        async with aiohttp.ClientSession() as session:
-            while not stop.is_set():
-                start = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        if proto == "h1":
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+
+            async def get() -> None:
                 async with session.get(args.url + "/healthz") as response:
                     await response.read()
-                rtts.append(time.perf_counter() - start)
-                await asyncio.sleep(0.1)
-        return rtts
-    host, port = split_url(args.h3_url)
-    async with Http3Client(host, port, verify=args.cacert) as client:
+        else:
+            client = await stack.enter_async_context(
+                Http3Client(*split_url(args.h3_url), verify=args.cacert)
+            )
+
+            async def get() -> None:
+                await (await client.request("GET", "/healthz")).read()
+
+        rtts = []
         while not stop.is_set():
             start = time.perf_counter()
-            await (await client.request("GET", "/healthz")).read()
+            await get()
             rtts.append(time.perf_counter() - start)
             await asyncio.sleep(0.1)
     return rtts

@@ -232,7 +232,10 @@ class _EdfQueue:
         for heap in (self._on_time, self._late, self._no_deadline):
             stream_id = heap.pop()
             if stream_id is not None:
+                # A popped stream is out of the queue: it may end without coming back, and
+                # `insert` records its flag again if it does.
                 self._hard.discard(stream_id)
+                self._soft.pop(stream_id, None)
                 return stream_id
         return None
 
@@ -488,11 +491,6 @@ class EdfScheduler(Scheduler):
     def _pop_next(self, now: float) -> int | None:
         return self._queue.pop(now)
 
-    def _forget(self, stream_id: int) -> None:
-        # A stream that ends while popped never passes through `_delete`: its deadline flag,
-        # kept in the queue for when it comes back, must go now.
-        self._queue.delete(stream_id)
-
     def _take_expired(self, now: float) -> list[int]:
         return self._queue.take_expired(now)
 
@@ -596,8 +594,6 @@ class MultiLevelScheduler(Scheduler):
             self._low.rotate(stream_id)
 
     def _forget(self, stream_id: int) -> None:
-        # As in `edf`: a high stream that ends while popped leaves state in the high queue.
-        self._high.delete(stream_id)
         self._low.forget(stream_id)
 
     def _take_expired(self, now: float) -> list[int]:
