@@ -295,12 +295,15 @@ class _RequestStream:
             elif not self._finished:
                 self._reset(ErrorCode.H3_INTERNAL_ERROR)
         else:
-            # An app that returned without finishing its answer must not leave the client hanging.
-            if not self._started:
-                logger.error("ASGI app returned no response on stream %d", self.stream_id)
-                self._respond_plain(500, b"Internal Server Error")
-            elif not self._finished and not self._disconnected:
-                self._write(b"", end_stream=True)
+            # An app that returned without finishing its answer must not leave a client that is
+            # still there hanging. One that left is not waiting: an app may rightly stop for it
+            # before answering (under overload, thousands of times a second).
+            if not self._finished and not self._disconnected:
+                if self._started:
+                    self._write(b"", end_stream=True)
+                else:
+                    logger.error("ASGI app returned no response on stream %d", self.stream_id)
+                    self._respond_plain(500, b"Internal Server Error")
         finally:
             self.protocol.request_finished(self.stream_id)
 
