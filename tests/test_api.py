@@ -128,7 +128,8 @@ def _in_flight_is_zero(server: Server) -> bool:
     )
 
 
-def test_client_disconnect_mid_stream_frees_the_engine_slot(server: Server) -> None:
+def test_client_disconnect_mid_stream_frees_the_engine_slot(settled_server: Server) -> None:
+    server = settled_server
     # Long enough (about 2,000 tokens on the biggest model) that only an abort ends it soon.
     body = {
         "model": "tiny-l",
