@@ -67,6 +67,9 @@ class Quality(Strict):
     """task -> model -> quality."""
 
 
+_CPU_LIST = r"^\d+(-\d+)?(,\d+(-\d+)?)*$"
+
+
 class ReplicaEntry(Strict):
     """One line of a placement: a model on one device, on several, or behind a URL."""
 
@@ -78,7 +81,8 @@ class ReplicaEntry(Strict):
     """The name the server at `url` knows the model by; defaults to the model's source."""
     memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     kv_cache_gib: PositiveFloat | None = None
-    cpu_cores: str | None = None
+    cpu_cores: Annotated[str, Field(pattern=_CPU_LIST)] | None = None
+    """Cores for the engine's processes, as VLLM_CPU_OMP_THREADS_BIND takes them: "0-2,5"."""
     engine_args: dict[str, object] = {}
 
     @model_validator(mode="after")

@@ -267,17 +267,6 @@ def server(_launched: dict[str, Server]) -> Server:
 
 
 @pytest.fixture(scope="session")
-def settled_server(_launched: dict[str, Server]) -> Server:
-    """The embedded server once every server of the session has started. While `vllm serve` and
-    the others start, they take the two cores; an engine, in a process of its own, can then run
-    a whole 2,000-token request to its end before the starved server has streamed a few tokens
-    of it. A test that needs the request still in the engine while its client reads uses this."""
-    for other in _launched.values():
-        other.wait_ready()
-    return _launched["embedded"]
-
-
-@pytest.fixture(scope="session")
 def upstream(_launched: dict[str, Server]) -> Server:
     """A real `vllm serve` of tiny-s."""
     return _launched["upstream"].wait_ready()

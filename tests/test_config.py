@@ -82,6 +82,10 @@ BROKEN = {
         lambda s: s["placements"]["embedded-cpu"][0].update(device="tpu"),
         "placements.embedded-cpu.0",
     ),
+    "cpu_cores not a core list": (
+        lambda s: s["placements"]["embedded-cpu"][1].update(cpu_cores="the first two"),
+        "placements.embedded-cpu.1.cpu_cores",
+    ),
     "GPU over-committed": (
         lambda s: s["placements"]["paper-4gpu"][2].update(memory_fraction=0.9),
         "memory fractions on cuda:0",
