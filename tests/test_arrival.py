@@ -180,7 +180,9 @@ def test_streams_past_the_servers_limit_wait_for_credit_unless_spread(
     one = replay(tmp_path / "one.json", *burst, "--connections", "1")
     assert one["summary"]["completed"] == 200
     assert one["client"]["credit_waited"] >= 200 - 128
-    assert one["client"]["p99_credit_wait_ms"] >= 250
+    # A request past the 128th waits for a stream opened 128 arrivals before it (about 64 ms at
+    # 2,000 req/s, more or less as Poisson arrivals fall) to end its 300 ms: about 236 ms.
+    assert one["client"]["p99_credit_wait_ms"] >= 150
     assert any("stream credit" in warning for warning in one["client"]["warnings"])
     # TTFT starts when a request really went out, so the wait is not in it.
     assert 300 <= one["summary"]["median_ttft_ms"] < 400
