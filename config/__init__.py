@@ -9,12 +9,13 @@ from config.deployment import (
     load_deployment,
     resolve,
 )
-from config.schema import ModelsFile, QosClass, Slo, Tier
+from config.schema import Limits, ModelsFile, QosClass, Slo, Tier
 
 __all__ = [
     "DEFAULT_PATH",
     "ConfigError",
     "Deployment",
+    "Limits",
     "ModelsFile",
     "QosClass",
     "ReplicaConfig",

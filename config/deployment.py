@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from config.schema import (
+    Limits,
     ModelsFile,
     PolicySpec,
     Profile,
@@ -58,6 +59,8 @@ class Deployment:
     anonymous_tier: str | None
     api_keys: dict[str, str] = field(repr=False)
     """key -> tier, for the keys that resolved (an unset key_env grants nothing)."""
+    key_limits: dict[str, Limits] = field(repr=False)
+    """key -> the limits of each key, its own or its tier's."""
     policy: PolicySpec
     profile: Profile | None
 
@@ -125,6 +128,11 @@ def resolve(
         tiers=spec.tiers,
         anonymous_tier=spec.anonymous_tier,
         api_keys={k: key.tier for key in spec.api_keys if (k := key.resolve())},
+        key_limits={
+            k: key.limits or spec.tiers[key.tier].limits
+            for key in spec.api_keys
+            if (k := key.resolve())
+        },
         policy=_policy(dep.policy, Path(base_dir)),
         profile=spec.profiles[dep.profile] if dep.profile else None,
     )

@@ -128,9 +128,22 @@ class QosClass(Strict):
     reward_weight: Annotated[float, Field(ge=0)] = 1.0
 
 
+class Limits(Strict):
+    """What one API key may ask of the server; what is not given is not limited."""
+
+    requests_per_s: PositiveFloat | None = None
+    """The sustained request rate (a token bucket)."""
+    burst: Annotated[int, Field(ge=1)] | None = None
+    """How many requests may come at once above that rate; default: one second's worth."""
+    concurrent: Annotated[int, Field(ge=1)] | None = None
+    """Requests in flight at once."""
+
+
 class Tier(Strict):
     classes: list[str]
     default: str
+    limits: Limits = Limits()
+    """For each key of the tier, its own; the anonymous tier's requests share one."""
     trusted_edge: bool = False
     """Keys of this tier belong to edge front-ends: a request that carries one in `x-edge-key`
     keeps the arrival time and class that the edge forwards (`x-edge-age`, `x-edge-qos-class`,
@@ -148,6 +161,8 @@ class ApiKey(Strict):
     key_env: str | None = None
     """Name of an environment variable that holds the key; an unset variable grants nothing."""
     tier: str
+    limits: Limits | None = None
+    """This key's own limits, instead of its tier's."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ApiKey:

@@ -140,7 +140,7 @@ async def _serve(
     # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
     generation = await _unless_disconnected(
         raw.receive,
-        gateway.start(request, body.sampling(), body.model, record_of(raw.scope)),
+        gateway.start(request, body.sampling(), body.model, record_of(raw.scope), tag.api_key),
         abandon=lambda g: g.aclose(),
     )
     headers = {
@@ -323,7 +323,9 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     # GatewayErrors are counted where they happen; these are refused before the gateway sees them.
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.code, exc.param)
+        response = _error(exc.status, exc.message, exc.code, exc.param)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(QosRejected)
     async def qos_rejected(raw: Request, exc: QosRejected) -> JSONResponse:

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
 
-from config import Deployment
+from config import Deployment, Limits
 from router.features import ArrivalRateEstimator, FeatureEncoder
 from router.policies import Policy
 from serving import metrics as outcomes
@@ -23,6 +24,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
+from serving.key_limits import KeyLimiter, OverLimit
 from serving.metrics import Metrics, RequestRecord
 from serving.replicas import Replica, ReplicaSet
 from workloads import Request
@@ -38,6 +40,7 @@ class GatewayError(Exception):
     status = 500
     code = "internal_error"
     outcome = outcomes.ENGINE_ERROR
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -65,6 +68,15 @@ class DeadlineExceeded(GatewayError):
 
 class EngineFailed(GatewayError):
     status, code, outcome = 500, "engine_error", outcomes.ENGINE_ERROR
+
+
+class RateLimited(GatewayError):
+    status, code, outcome = 429, "rate_limit_exceeded", outcomes.LIMITED
+
+    def __init__(self, over: OverLimit) -> None:
+        super().__init__(over.message)
+        self.limit = over.limit
+        self.headers = {"Retry-After": str(over.retry_after_s)}
 
 
 def deadline_exceeded(request: Request, deployment: Deployment) -> DeadlineExceeded:
@@ -98,6 +110,7 @@ class Gateway:
             FeatureEncoder.for_deployment(deployment)
         )
         self.rate = ArrivalRateEstimator()
+        self.limiter = KeyLimiter(self._limits_of)
 
     async def start(
         self,
@@ -105,9 +118,11 @@ class Gateway:
         sampling: Sampling,
         model: str = AUTO,
         record: RequestRecord | None = None,
+        api_key: str | None = None,
     ) -> Generation:
         """Dispatch `request` and wait for its first token. `record` is its account so far (the
-        API's: how it arrived); the gateway and the generation fill in the rest.
+        API's: how it arrived); the gateway and the generation fill in the rest. `api_key` (None:
+        anonymous) is held to its limits until the request ends.
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
         that turns out to be down before producing anything is skipped, and the next choice tried.
@@ -119,6 +134,11 @@ class Gateway:
         rate = self.rate.observe(request.arrival)
         self.metrics.arrival_rate.set(rate)
         skipped: set[str] = set()
+        try:
+            self.limiter.acquire(api_key, self.clock())
+        except OverLimit as over:
+            self.metrics.limited.labels(record.tier or "none", over.limit).inc()
+            self._refuse(record, model, RateLimited(over))
         while True:
             try:
                 self._check(request, model)
@@ -126,12 +146,12 @@ class Gateway:
                     raise deadline_exceeded(request, self.deployment)
                 replica = self._route(request, model, rate, skipped)
             except GatewayError as exc:
-                # Never a client-chosen label value: an unknown name would grow the metric forever.
-                record.model = model if model in self.deployment.models else None
-                self.metrics.finish(record, exc.outcome, slo_met=False)
-                raise
+                self.limiter.release(api_key)
+                self._refuse(record, model, exc)
             record.routed = self.clock()
-            generation = Generation(self, request, replica, sampling, record)
+            generation = Generation(
+                self, request, replica, sampling, record, lambda: self.limiter.release(api_key)
+            )
             try:
                 await generation.first_token()
                 return generation
@@ -139,6 +159,19 @@ class Gateway:
                 # Nothing started there, so nothing is lost by trying the next choice.
                 log.warning("%s; trying another replica", exc)
                 skipped.add(replica.name)
+
+    def _limits_of(self, api_key: str | None) -> Limits:
+        if api_key is not None:
+            return self.deployment.key_limits[api_key]
+        anonymous = self.deployment.anonymous_tier
+        return self.deployment.tiers[anonymous].limits if anonymous is not None else Limits()
+
+    def _refuse(self, record: RequestRecord, model: str, error: GatewayError) -> NoReturn:
+        """Count a request that was never dispatched, and raise `error` for the client."""
+        # Never a client-chosen label value: an unknown name would grow the metric forever.
+        record.model = model if model in self.deployment.models else None
+        self.metrics.finish(record, error.outcome, slo_met=False)
+        raise error
 
     def deadline(self, request: Request) -> float:
         """When the request's first token is due, on the gateway's clock."""
@@ -178,6 +211,9 @@ class Gateway:
 _END = object()
 """Queued after an engine's last delta."""
 
+_RETRIED = "retried"
+"""Not an outcome: the replica could not take the request, which goes on at another."""
+
 _DRAIN_S = 0.5
 """How long a finished generation waits for its engine stream to end by itself."""
 
@@ -201,8 +237,11 @@ class Generation:
         replica: Replica,
         sampling: Sampling,
         record: RequestRecord,
+        on_end: Callable[[], None] = lambda: None,
     ):
+        """`on_end` runs once when the request ends here, unless it goes on at another replica."""
         self.gateway = gateway
+        self._on_end = on_end
         self.request = request
         self.replica = replica
         self.record = record
@@ -250,7 +289,7 @@ class Generation:
         except InvalidRequest as exc:
             await self._fail(BadRequest(exc.message, exc.param, exc.code))
         except EngineUnavailable:
-            self._outcome = "retried"  # not an outcome: the request goes on elsewhere
+            self._outcome = _RETRIED
             await self.aclose()
             raise
         except (EngineError, StopAsyncIteration) as exc:
@@ -328,6 +367,8 @@ class Generation:
             return
         self._released = True
         self.replica.running -= 1
+        if self._outcome != _RETRIED:
+            self._on_end()
         if self._outcome == outcomes.OK and not self._pump.done():
             # Finished: let the engine end its stream by itself (a remote one sends its usage and
             # [DONE] next), so its connection can be reused rather than cut.

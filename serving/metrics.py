@@ -38,6 +38,7 @@ UNAVAILABLE = "unavailable"  # 503: no healthy replica could take it
 DEADLINE = "deadline"  # no first token within the class's deadline
 ENGINE_ERROR = "engine_error"  # the engine failed after accepting it
 CANCELLED = "cancelled"  # the client went away first
+LIMITED = "limited"  # 429: its API key was over its rate or concurrency limit
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -110,6 +111,14 @@ class Metrics:
             "serving_requests",
             "Requests by QoS class, model and outcome.",
             ["qos_class", "model", "outcome"],
+            registry=self.registry,
+        )
+        self.limited = Counter(
+            "serving_limited",
+            "Requests refused with 429 because their API key was over a limit, by the key's "
+            "tier and the limit (rate or concurrent). Also counted in serving_requests_total "
+            "with outcome limited.",
+            ["tier", "limit"],
             registry=self.registry,
         )
         self.ttft = Histogram(

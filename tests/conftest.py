@@ -24,6 +24,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 PREMIUM_KEY = "test-premium-key"
+METERED_KEY = "test-metered-key"
+"""Two requests, then one every 100 s."""
+SINGLE_KEY = "test-single-key"
+"""One request in flight at a time."""
 EDGE_KEY = "test-edge-key"
 STARTUP_TIMEOUT_S = 240
 
@@ -162,6 +166,8 @@ def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
     spec["tiers"]["anonymous"]["classes"].append("impatient")
     spec["api_keys"] = [
         {"key": PREMIUM_KEY, "tier": "premium"},
+        {"key": METERED_KEY, "tier": "anonymous", "limits": {"requests_per_s": 0.01, "burst": 2}},
+        {"key": SINGLE_KEY, "tier": "anonymous", "limits": {"concurrent": 1}},
         {"key": EDGE_KEY, "tier": "edge"},
     ]
     for name, (placement, deployment) in extra_deployments.items():

@@ -64,6 +64,8 @@ class QosRejected(Exception):
 class Classification:
     qos_class: str
     tier: str
+    api_key: str | None = field(default=None, repr=False)
+    """The known API key the request came with; None for an anonymous request."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class RequestTag:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Names the request in logs and in the `x-request-id` response header: the client's own
     `x-request-id` when it sends a well-formed one, else a fresh one."""
+    api_key: str | None = field(default=None, repr=False)
+    """The known API key the request came with (limits are per key); None: anonymous."""
 
     def forwarded(self, now: float, edge_key: str) -> dict[str, str]:
         """The headers that carry this tag to a back-end, as an edge sends them at `now`."""
@@ -132,7 +136,11 @@ class QosClassifier:
 
     def classify(self, headers: Mapping[str, str]) -> Classification:
         """`headers` with lower-case names."""
-        tier_name = self._tier(headers.get("authorization"))
+        api_key = self._known_key(headers.get("authorization"))
+        if api_key is None and self.anonymous_tier is None:
+            raise QosRejected(401, "A valid API key is required (Authorization: Bearer <key>).")
+        tier_name = self.api_keys[api_key] if api_key is not None else self.anonymous_tier
+        assert tier_name is not None
         tier = self.tiers[tier_name]
         wanted = headers.get("x-qos-class")
         if wanted is not None:
@@ -147,15 +155,15 @@ class QosClassifier:
                     f"QoS class {wanted!r} needs an API key whose tier grants it; "
                     f"tier {tier_name!r} grants {', '.join(tier.classes)}.",
                 )
-            return Classification(wanted, tier_name)
+            return Classification(wanted, tier_name, api_key)
         urgency = _urgency(headers.get("priority"))
         if urgency is not None:
             nearest = min(
                 tier.classes,
                 key=lambda c: (abs(self.classes[c].urgency - urgency), -self.classes[c].urgency),
             )
-            return Classification(nearest, tier_name)
-        return Classification(tier.default, tier_name)
+            return Classification(nearest, tier_name, api_key)
+        return Classification(tier.default, tier_name, api_key)
 
     def tag(
         self, headers: Mapping[str, str], now: float, soft_deadlines: bool = True
@@ -175,13 +183,19 @@ class QosClassifier:
             qos_class, tier = headers.get(EDGE_CLASS), headers.get(EDGE_TIER)
             if qos_class in self.classes and tier in self.tiers:
                 spec = self._spec(qos_class, arrival, soft_deadlines)
-                return RequestTag(arrival, qos_class, tier, spec, via_edge=True, **named)
+                api_key = self._known_key(headers.get("authorization"))
+                return RequestTag(
+                    arrival, qos_class, tier, spec, via_edge=True, api_key=api_key, **named
+                )
         try:
             found = self.classify(headers)
         except QosRejected as exc:
             return RequestTag(arrival, None, None, StreamSpec(), exc, via_edge, **named)
         spec = self._spec(found.qos_class, arrival, soft_deadlines)
-        return RequestTag(arrival, found.qos_class, found.tier, spec, None, via_edge, **named)
+        return RequestTag(
+            arrival, found.qos_class, found.tier, spec, None, via_edge,
+            api_key=found.api_key, **named,
+        )  # fmt: skip
 
     def edge_key(self) -> str | None:
         """A key of a trusted_edge tier, for an edge to forward its tags with; None if none."""
@@ -202,15 +216,13 @@ class QosClassifier:
             soft=soft_deadlines,
         )
 
-    def _tier(self, authorization: str | None) -> str:
+    def _known_key(self, authorization: str | None) -> str | None:
+        """The request's API key if this server knows it. An unknown key counts as none: OpenAI
+        clients insist on sending some key, and like `vllm serve` without --api-key, a server
+        that admits anonymous requests accepts them."""
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() == "bearer" and key.strip() in self.api_keys:
-            return self.api_keys[key.strip()]
-        # An unknown key counts as none: OpenAI clients insist on sending some key, and like
-        # `vllm serve` without --api-key, a server that admits anonymous requests accepts them.
-        if self.anonymous_tier is None:
-            raise QosRejected(401, "A valid API key is required (Authorization: Bearer <key>).")
-        return self.anonymous_tier
+        key = key.strip()
+        return key if scheme.lower() == "bearer" and key in self.api_keys else None
 
 
 def _age(value: str | None) -> float:

@@ -1,0 +1,87 @@
+"""Per-key limits: the limiter's arithmetic on a virtual clock, then the live server's 429s."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from config import Limits
+from serving.key_limits import CONCURRENT, RATE, KeyLimiter, OverLimit
+from tests.conftest import METERED_KEY, PREMIUM_KEY, SINGLE_KEY, Server, wait_until
+
+HELLO = [{"role": "user", "content": "Hello there!"}]
+
+
+def limiter(**limits: float) -> KeyLimiter:
+    return KeyLimiter(lambda key: Limits(**limits) if key == "k" else Limits())
+
+
+def test_a_rate_allows_its_burst_then_refills_at_its_rate() -> None:
+    keys = limiter(requests_per_s=2, burst=3)
+    for _ in range(3):
+        keys.acquire("k", now=0.0)
+    with pytest.raises(OverLimit) as over:
+        keys.acquire("k", now=0.1)
+    assert over.value.limit == RATE
+    assert over.value.retry_after_s == 1  # 0.3 s to the next token, in whole seconds
+    keys.acquire("k", now=0.5)  # one token back after 0.5 s
+    with pytest.raises(OverLimit):
+        keys.acquire("k", now=0.6)
+    keys.acquire("other", now=0.6)  # another key has its own (here: no) limits
+
+
+def test_the_burst_defaults_to_a_seconds_worth_and_a_long_wait_is_said() -> None:
+    keys = limiter(requests_per_s=0.01)
+    keys.acquire("k", now=0.0)
+    with pytest.raises(OverLimit) as over:
+        keys.acquire("k", now=1.0)
+    assert over.value.retry_after_s == 99
+
+
+def test_concurrency_counts_requests_until_released() -> None:
+    keys = limiter(concurrent=2)
+    keys.acquire("k", now=0.0)
+    keys.acquire("k", now=0.0)
+    with pytest.raises(OverLimit) as over:
+        keys.acquire("k", now=0.0)
+    assert over.value.limit == CONCURRENT
+    keys.release("k")
+    keys.acquire("k", now=0.0)
+    keys.release("never-seen")  # harmless
+
+
+def _chat(server: Server, key: str | None, **extra: object) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {"model": "tiny-s", "messages": HELLO, "max_tokens": 2, **extra}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def test_a_key_over_its_rate_gets_429_and_other_keys_do_not(server: Server) -> None:
+    limited = {"tier": "anonymous", "limit": "rate"}
+    before = server.metric("serving_limited_total", **limited)
+    assert [_chat(server, METERED_KEY).status_code for _ in range(2)] == [200, 200]
+    refused = _chat(server, METERED_KEY)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert server.metric("serving_limited_total", **limited) == before + 1
+    assert _chat(server, PREMIUM_KEY).status_code == 200
+    assert _chat(server, None).status_code == 200  # the anonymous bucket is another one
+
+
+def test_a_key_at_its_concurrency_limit_gets_429_until_its_request_ends(server: Server) -> None:
+    # Long enough (about 2,000 tokens on the biggest model) to be still running when asked.
+    body = {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {SINGLE_KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", timeout=60, headers=headers,
+        json={**body, "stream": True},
+    ) as stream:  # fmt: skip
+        lines = stream.iter_lines()  # held: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")
+        refused = _chat(server, SINGLE_KEY)
+        assert refused.status_code == 429, refused.text
+        assert "in flight" in refused.json()["error"]["message"]
+        assert _chat(server, None).status_code == 200
+    # Hanging up ended the first request, which frees the key's slot.
+    wait_until(lambda: _chat(server, SINGLE_KEY).status_code == 200, 10, "the slot to free")
