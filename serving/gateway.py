@@ -75,7 +75,6 @@ class RateLimited(GatewayError):
 
     def __init__(self, over: OverLimit) -> None:
         super().__init__(over.message)
-        self.limit = over.limit
         self.headers = {"Retry-After": str(over.retry_after_s)}
 
 

@@ -137,10 +137,9 @@ class QosClassifier:
     def classify(self, headers: Mapping[str, str]) -> Classification:
         """`headers` with lower-case names."""
         api_key = self._known_key(headers.get("authorization"))
-        if api_key is None and self.anonymous_tier is None:
-            raise QosRejected(401, "A valid API key is required (Authorization: Bearer <key>).")
         tier_name = self.api_keys[api_key] if api_key is not None else self.anonymous_tier
-        assert tier_name is not None
+        if tier_name is None:
+            raise QosRejected(401, "A valid API key is required (Authorization: Bearer <key>).")
         tier = self.tiers[tier_name]
         wanted = headers.get("x-qos-class")
         if wanted is not None:

@@ -111,7 +111,10 @@ class VllmEngine:
         if self.config.device != "cpu":
             return None
         if self.config.cpu_cores is not None:
-            return _parse_cpu_list(self.config.cpu_cores)
+            # vLLM's own parser, so the processes land where vLLM binds the worker's threads.
+            from vllm.utils.cpu_resource_utils import parse_id_list
+
+            return set(parse_id_list(self.config.cpu_cores))
         allowed = sorted(os.sched_getaffinity(0))
         return set(allowed[:-1]) or None
 
@@ -253,15 +256,6 @@ def _prompt_chars(request: Request) -> int:
     if isinstance(request.prompt, str):
         return len(request.prompt)
     return sum(len(m.content) for m in request.prompt)
-
-
-def _parse_cpu_list(text: str) -> set[int]:
-    """ "0-2,5" -> {0, 1, 2, 5}."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
 
 
 def _start_on(cores: set[int] | None, start: Callable[[T], R], arg: T) -> R:
