@@ -9,6 +9,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from config.schema import TinyBuild
@@ -54,19 +55,26 @@ def _stamp(path: Path) -> str | None:
         return None
 
 
+_IMPORTING = threading.Lock()
+"""transformers' lazy top-level module is not safe to import from several threads at once: the
+embedded deployment builds its three models in threads, and on a machine without them one got
+`ImportError: cannot import name 'OPTConfig' from 'transformers'` and the server did not start."""
+
+
 def _build(out: Path, build: TinyBuild) -> None:
     # Imported here: transformers and torch take seconds to import and only the build needs them.
-    import torch
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import OPTConfig, PreTrainedTokenizerFast
-    from transformers.models.opt.modeling_opt import OPTForCausalLM
+    with _IMPORTING:
+        import torch
+        from tokenizers import (
+            Tokenizer,
+            decoders,
+            models,
+            pre_tokenizers,
+            processors,
+            trainers,
+        )
+        from transformers import OPTConfig, PreTrainedTokenizerFast
+        from transformers.models.opt.modeling_opt import OPTForCausalLM
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
