@@ -167,6 +167,7 @@ async def run(args: argparse.Namespace) -> dict:
         try:
             async for delta in generation:
                 yield delta
+            generation.delivered()
         finally:
             await generation.aclose()
 

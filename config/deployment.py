@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
 from config.schema import (
+    AdmissionSpec,
     Limits,
     ModelsFile,
     PolicySpec,
@@ -63,11 +64,25 @@ class Deployment:
     """key -> the limits of each key, its own or its tier's."""
     policy: PolicySpec
     profile: Profile | None
+    admission: AdmissionSpec
+    """Resolved: its rule is always set."""
 
     @property
     def models(self) -> list[str]:
         """The deployment's models, each once, in placement order."""
         return list(dict.fromkeys(r.model for r in self.replicas))
+
+    def with_admission(self, rule: str) -> Deployment:
+        """This deployment with admission control's rule replaced ('deadline' or 'none')."""
+        return replace(self, admission=_admission(self.name, AdmissionSpec(
+            rule=rule, lower_class_share=self.admission.lower_class_share), self.profile))  # type: ignore[arg-type]  # fmt: skip
+
+    @property
+    def max_batch(self) -> int | None:
+        """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
+        caps = {r.engine_args.get("max_num_seqs") for r in self.replicas}
+        cap = caps.pop() if len(caps) == 1 else None
+        return int(cap) if cap is not None else None  # type: ignore[call-overload]
 
     @property
     def tasks(self) -> list[str]:
@@ -135,7 +150,18 @@ def resolve(
         },
         policy=_policy(dep.policy, Path(base_dir)),
         profile=spec.profiles[dep.profile] if dep.profile else None,
+        admission=_admission(name, dep.admission, dep.profile),
     )
+
+
+def _admission(name: str, admission: AdmissionSpec, profile: object | None) -> AdmissionSpec:
+    if admission.rule == "deadline" and profile is None:
+        raise ConfigError(
+            f"deployments.{name}.admission: rule 'deadline' needs the deployment's latency "
+            "profile (profile: ...)"
+        )
+    rule = admission.rule or ("deadline" if profile else "none")
+    return admission.model_copy(update={"rule": rule})
 
 
 def _policy(policy: PolicySpec, base_dir: Path) -> PolicySpec:

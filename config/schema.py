@@ -186,10 +186,23 @@ class PolicySpec(Strict):
     """dqn: the trained policy file (.npz), relative to models.yaml's directory."""
 
 
+class AdmissionSpec(Strict):
+    """Admission control (`router/admission.py`): what is refused at once under overload."""
+
+    rule: Literal["deadline", "none"] | None = None
+    """deadline: refuse a request that no replica is expected to start within its class's budget
+    (needs the deployment's latency profile); none: dispatch everything. Default: deadline where
+    the deployment names a profile, else none."""
+    lower_class_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+    """Every class but the most urgent may wait at most this share of the most urgent class's
+    deadline (and never past its own), so that under overload the lower classes are shed first."""
+
+
 class DeploymentSpec(Strict):
     placement: str
     profile: str | None = None
     policy: PolicySpec = PolicySpec(name="quality-threshold")
+    admission: AdmissionSpec = AdmissionSpec()
     engine_args: dict[str, object] = {}
     """Passed to every vLLM engine of the deployment (a replica's own engine_args win)."""
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,22 +33,38 @@ class LiveServer:
     """HTTP/1.1."""
     h3_port: int
     """HTTP/3, UDP on 127.0.0.1."""
+    pid: int
+    """The server's process; its engines are its children."""
 
 
 @contextlib.contextmanager
 def server(
-    deployment: str, policy: str | None, log: Path, startup_s: float = 300.0
+    deployment: str | None,
+    policy: str | None,
+    log: Path,
+    startup_s: float = 300.0,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_path: str = "/healthz",
 ) -> Iterator[LiveServer]:
-    """`python -m serving` on free ports, yielded once /healthz answers, and stopped (SIGTERM,
-    then SIGKILL) on the way out. Its log goes to `log`."""
+    """`python -m serving` on free ports, yielded once `ready_path` answers 200 (/readyz: every
+    replica up), and stopped with its engines (SIGTERM to its process group, then SIGKILL) on the
+    way out. Its log goes to `log`; `extra` flags and `env` variables are added to its own."""
     port, h3_port = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_DGRAM)
-    command = [sys.executable, "-m", "serving", "--deployment", deployment, "--port", str(port),
-               "--h3-port", str(h3_port)]  # fmt: skip
+    command = [sys.executable, "-m", "serving", "--port", str(port), "--h3-port", str(h3_port),
+               *(["--deployment", deployment] if deployment else []), *extra]  # fmt: skip
     if policy:
         command += ["--policy", policy]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
@@ -52,19 +72,47 @@ def server(
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with {process.returncode}; see {log}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {startup_s:g} s; see {log}")
             time.sleep(0.5)
-        yield LiveServer(url, h3_port)
+        yield LiveServer(url, h3_port, process.pid)
     finally:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(60)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def requests_total(url: str, by: str = "outcome", outcome: str | None = None) -> Counter[str]:
+    """The server's serving_requests_total summed by one label (`outcome`, `model`, ...), over
+    the requests that ended in `outcome` (None: all)."""
+    counts: Counter[str] = Counter()
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "serving_requests_total" and outcome in (
+                None,
+                sample.labels["outcome"],
+            ):
+                counts[sample.labels[by]] += int(sample.value)
+    return counts
+
+
+def metric(url: str, name: str) -> float:
+    """A sample of the server's /metrics summed over its labels (0 if absent): the front-end's
+    process_cpu_seconds_total, or serving_replica_in_flight over every replica."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 def replay(url: str, out: Path, *flags: str) -> dict:

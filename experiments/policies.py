@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +60,15 @@ def baselines(
         "random": lambda: RandomModel(deployment.models),
     }
     return policies
+
+
+def add_admission_argument(parser: argparse.ArgumentParser) -> None:
+    """--admission: the simulator's admission control, for the seed's experiments."""
+    parser.add_argument(
+        "--admission",
+        choices=["none", "deadline"],
+        default="none",
+        help="admission control in the simulator: none, as in the seed (default), or the "
+        "deployment's deadline rule, which sends what a replica cannot start in time elsewhere "
+        "(so a one-model baseline is no longer one model) or sheds it",
+    )

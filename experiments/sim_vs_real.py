@@ -32,7 +32,8 @@ def compare(live: dict, deployment_name: str, config: Path) -> list[dict[str, fl
     deployment = load_deployment(config, deployment_name)
     names = [r.name for r in deployment.replicas]
     done = [o for o in live["requests"] if o["error_kind"] is None]
-    sim = Simulator.from_deployment(deployment)
+    # Every request replayed here completed live, so none may end at a deadline here either.
+    sim = Simulator.from_deployment(deployment, deadlines={})
     finished: list[Finished] = []
     for i, o in enumerate(done):
         finished += sim.advance(o["arrival_s"])

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, load_deployment
 from experiments.output import write_csv
-from experiments.policies import baselines
+from experiments.policies import add_admission_argument, baselines
 from router.evaluate import mean_reward, simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
@@ -29,7 +29,7 @@ RATES = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
-    deployment = load_deployment(args.config, args.deployment)
+    deployment = load_deployment(args.config, args.deployment).with_admission(args.admission)
     policies = baselines(deployment, args.results, args.policy_file)
     rows: list[dict[str, object]] = []
     with tqdm(total=len(policies) * len(args.rates) * args.seeds, unit="run") as bar:
@@ -175,6 +175,7 @@ def main() -> int:
                         default=list(RATES))  # fmt: skip
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per rate")
     parser.add_argument("--seeds", type=int, default=3)
+    add_admission_argument(parser)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
     try:

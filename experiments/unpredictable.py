@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, load_deployment
 from experiments.output import write_csv
-from experiments.policies import baselines
+from experiments.policies import add_admission_argument, baselines
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
 from workloads.generate import WorkloadSpec
@@ -44,11 +44,12 @@ def main() -> int:
     )
     parser.add_argument("--tag", default="", help="suffix for the output files")
     parser.add_argument("--seeds", type=int, default=3)
+    add_admission_argument(parser)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
     try:
-        deployment = load_deployment(args.config, args.deployment)
+        deployment = load_deployment(args.config, args.deployment).with_admission(args.admission)
     except ConfigError as exc:
         parser.error(str(exc))
     policies = baselines(deployment, args.results, args.policy_file)

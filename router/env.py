@@ -20,6 +20,10 @@ known only when its last token is out, many steps after it was routed. Two ways 
   credited, so nothing is lost. The load an action puts on later requests still reaches it through
   the discounted value of the next state.
 
+Admission control runs before the policy, as in the gateway: a request that the deployment's rule
+(`router.admission`) sheds is never a step. It ends at once with outcome "shed" and reward 0, in
+`finished` like every other request, and the policy sees the next request that is let in.
+
 An episode is a fixed number of requests from one workload drawn at reset; it ends truncated,
 never terminated, because the cluster runs on past it.
 """
@@ -34,8 +38,9 @@ import gymnasium as gym
 import numpy as np
 
 from config import Deployment
+from router.admission import Admission, admission_for
 from router.features import ArrivalRateEstimator, FeatureEncoder
-from router.sim import Finished, Simulator
+from router.sim import SHED, Finished, Simulator
 from router.view import ClusterView
 from workloads import Request
 from workloads.arrivals import ArrivalProcess, Poisson, SwitchingRate
@@ -78,9 +83,11 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         action: Literal["model", "replica"] = "model",
         simulator: Callable[[], Simulator] | None = None,
         credit: Literal["finish", "request"] = "finish",
+        admission: Admission | None = None,
     ) -> None:
         """`workloads` draws each episode's workload (default: RandomRates over the deployment's
-        classes); `simulator` builds a fresh simulator per episode (default: the deployment's)."""
+        classes); `simulator` builds a fresh simulator per episode (default: the deployment's);
+        `admission` decides what is shed (default: the deployment's rule)."""
         self.deployment = deployment
         self.workloads = workloads or RandomRates(classes=tuple(deployment.qos_classes))
         self.episode_requests = episode_requests
@@ -90,6 +97,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         """Steps taken since the environment was made, across episodes."""
         self._routed_at: dict[str, int] = {}
         self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
+        self.admission = admission or admission_for(deployment)
         self.encoder = FeatureEncoder.for_deployment(deployment)
         self.models = deployment.models
         n_actions = len(self.models) if action == "model" else len(deployment.replicas)
@@ -97,6 +105,8 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.observation_space = gym.spaces.Box(0.0, np.inf, (self.encoder.size,), np.float32)
         self.sim: Simulator | None = None
         self.request: Request | None = None
+        self._admitted: ClusterView | None = None
+        """The current request's view, as admission control let it in."""
         self.finished: list[Finished] = []
         """Every request finished this episode, for evaluation."""
 
@@ -116,24 +126,23 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.finished = []
         self._routed_at = {}
         self._requests: Iterator[Request] = requests(spec, workload_seed, duration, limit)
-        obs = self._arrive(next(self._requests, None))
+        obs = self._arrive()
         if obs is None:
-            raise ValueError("the workload has no requests")
+            raise ValueError("the workload has no request that is let in")
         return obs, {}
 
     def step(self, action: np.int64 | int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         assert self.sim is not None and self.request is not None, "call reset() first"
-        self.sim.submit(self.request, self.replica_for(int(action), self.sim.view()))
+        self.sim.submit(self.request, self.replica_for(int(action), self.view()))
         step = self.steps
         self._routed_at[self.request.request_id] = step
         self.steps += 1
-        nxt = next(self._requests, None)
-        if nxt is None:  # the episode's last observation: the cluster as the last request left it
-            obs = self.encoder.encode(self.sim.view(), self.request, self.rate.value(self.sim.now))
-            done = self.drain() if self.credit == "request" else []
+        last, before = self.request, len(self.finished)
+        obs = self._arrive()
+        if obs is None:  # the episode's last observation: the cluster as the last request left it
+            obs = self.encoder.encode(self.sim.view(), last, self.rate.value(self.sim.now))
+            done = self.finished[before:] + (self.drain() if self.credit == "request" else [])
             return obs, *self._credit(done, step, truncated=True)
-        before = len(self.finished)
-        obs = self._arrive(nxt)
         return obs, *self._credit(self.finished[before:], step, truncated=False)
 
     def drain(self) -> list[Finished]:
@@ -144,24 +153,39 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         return done
 
     def replica_for(self, action: int, view: ClusterView) -> int:
+        """The replica an action sends the request to, as the gateway picks it: a replica that
+        admission control ruled out is swapped for the least-loaded of its model that it did not,
+        else for the least-loaded of any."""
         if self.action_kind == "replica":
-            return action
-        index = view.least_loaded(self.models[action])
-        assert index is not None
+            if view.replicas[action].available:
+                return action
+            model = view.replicas[action].model
+        else:
+            model = self.models[action]
+        index = view.least_loaded(model)
+        if index is None:
+            index = view.least_loaded()
+        assert index is not None, "admission control lets in only what some replica can take"
         return index
 
     def view(self) -> ClusterView:
+        """The cluster as the current request may use it: admission control's view."""
         assert self.sim is not None
-        return self.sim.view()
+        return self._admitted if self._admitted is not None else self.sim.view()
 
-    def _arrive(self, request: Request | None) -> np.ndarray | None:
-        if request is None:
-            return None
+    def _arrive(self) -> np.ndarray | None:
+        """Move to the next request that is let in; its observation, or None at the end."""
         assert self.sim is not None
-        self.finished += self.sim.advance(request.arrival)
-        self.request = request
-        rate = self.rate.observe(request.arrival)
-        return self.encoder.encode(self.sim.view(), request, rate)
+        for request in self._requests:
+            self.finished += self.sim.advance(request.arrival)
+            # Shed requests count in the rate, as in the gateway, which observes before it sheds.
+            rate = self.rate.observe(request.arrival)
+            admitted = self.admission.check(request, self.sim.view(), request.arrival)
+            if isinstance(admitted, ClusterView):
+                self.request, self._admitted = request, admitted
+                return self.encoder.encode(admitted, request, rate)
+            self.finished.append(Finished.shed(request))
+        return None
 
     def _credit(
         self, done: list[Finished], step: int, truncated: bool
@@ -176,6 +200,8 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
             return float(total), False, truncated, {}
         now, late = 0.0, []
         for f in done:
+            if f.outcome == SHED:  # never routed: no step to credit
+                continue
             value = reward(f.request.task, f.model, f.request.qos_class, f.slo_met)
             at = self._routed_at.pop(f.request.request_id)
             if at == step:

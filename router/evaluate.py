@@ -15,7 +15,7 @@ import numpy as np
 from config import Deployment
 from router.env import RandomRates, RoutingEnv
 from router.policies import Policy, QualityThreshold
-from router.sim import Finished, Simulator
+from router.sim import DEADLINE, OK, SHED, Finished, Simulator
 from workloads.generate import WorkloadSpec
 from workloads.metrics import Outcome
 
@@ -46,26 +46,31 @@ def outcomes(deployment: Deployment, finished: Sequence[Finished]) -> list[Outco
     rows = []
     for f in finished:
         r = f.request
-        itl = (f.last_token - f.first_token) / (f.output_tokens - 1) if f.output_tokens > 1 else 0
-        rows.append(
-            Outcome(
-                request_id=r.request_id,
-                qos_class=r.qos_class,
-                task=r.task,
-                arrival_s=f.arrival,
-                status=200,
-                model=f.model,
-                replica=str(f.replica),
-                ttft_s=f.first_token - f.arrival,
-                itl_s=[itl] * (f.output_tokens - 1),
-                e2el_s=f.last_token - f.arrival,
-                prompt_tokens=r.prompt_tokens,
-                output_tokens=f.output_tokens,
-                slo_met=f.slo_met,
-                reward=deployment.reward(r.task, f.model, r.qos_class, f.slo_met),
-            )
+        row = Outcome(
+            request_id=r.request_id,
+            qos_class=r.qos_class,
+            task=r.task,
+            arrival_s=f.arrival,
+            status=_STATUS[f.outcome],
+            model=f.model,
+            replica=str(f.replica),
+            prompt_tokens=r.prompt_tokens,
         )
+        if f.outcome != OK or f.first_token is None:
+            row.error_kind = f.outcome
+        else:
+            gaps = f.output_tokens - 1
+            itl = (f.last_token - f.first_token) / gaps if gaps > 0 else 0.0
+            row.ttft_s, row.itl_s = f.first_token - f.arrival, [itl] * gaps
+            row.e2el_s, row.output_tokens = f.last_token - f.arrival, f.output_tokens
+            row.slo_met = f.slo_met
+            row.reward = deployment.reward(r.task, f.model, r.qos_class, f.slo_met)
+        rows.append(row)
     return sorted(rows, key=lambda o: o.arrival_s)
+
+
+_STATUS = {OK: 200, DEADLINE: 504, SHED: 429}
+"""The gateway's answer for each way a simulated request ends."""
 
 
 def mean_reward(deployment: Deployment, finished: Sequence[Finished]) -> float:

@@ -10,6 +10,12 @@ same device are busy takes (1 + interference × k) times as long. That is the wh
 model, explicit and tunable; on a CPU deployment every replica shares the one "cpu" device.
 
 The SLO test is models.yaml's (`Slo.met`): arrival to last token, per output token.
+
+The gateway's first-token deadline is modelled as it runs live: a request with no token by its
+class's deadline ends there (outcome "deadline", a 504 live) and leaves its replica, which frees
+its slot as the gateway's abort does. A request waiting in the queue leaves at the next iteration
+boundary after its deadline; one that the deadline overtakes while it is prefilled ends with that
+iteration (the gateway aborts it, so its token never counts).
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ from config.schema import ProfileModel
 from router.view import ClusterView, ReplicaState
 from workloads import Request
 
+DEFAULT_PROMPT_TOKENS = 64
+"""Assumed for a request whose prompt length is not known in advance."""
+
+OK, DEADLINE, SHED = "ok", "deadline", "shed"
+"""How a request ended: its last token, its first-token deadline (504), or refused at the door
+(429, `router.admission`). The gateway's outcomes of the same names."""
+
 
 @dataclass
 class Finished:
@@ -33,18 +46,29 @@ class Finished:
 
     request: Request
     replica: int
-    model: str
+    """-1 for a request that was shed."""
+    model: str | None
     arrival: float
-    first_token: float
+    first_token: float | None
+    """None unless the request got a token."""
     last_token: float
+    """When it ended, however it did."""
     output_tokens: int
     slo_met: bool
+    outcome: str = OK
+
+    @classmethod
+    def shed(cls, request: Request) -> Finished:
+        """A request refused on arrival: it never reached a replica."""
+        return cls(request, -1, None, request.arrival, None, request.arrival, 0, False, SHED)
 
 
 @dataclass
 class _Job:
     request: Request
     arrival: float
+    deadline: float
+    """No first token by then: the gateway gives up on it."""
     tokens: int
     """Output tokens it will get: its max_tokens, at least 1."""
     remaining: int
@@ -63,6 +87,8 @@ class _Replica:
     """End of the iteration in progress; None while idle."""
     steps: list[float] = field(default_factory=list)
     """step_time(profile, b) for b = 0..max_batch: the hot path indexes instead of interpolating."""
+    owed: int = 0
+    """Output tokens still owed to the requests in flight (what the gateway counts live)."""
 
     @property
     def in_flight(self) -> int:
@@ -85,9 +111,11 @@ class Simulator:
         slo: Slo,
         max_batch: int = 256,
         interference: float = 0.0,
-        default_prompt_tokens: int = 64,
+        default_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+        deadlines: dict[str, float] | None = None,
     ) -> None:
-        """`replicas`: (name, model, device) each; `profiles`: model -> its latency profile."""
+        """`replicas`: (name, model, device) each; `profiles`: model -> its latency profile;
+        `deadlines`: QoS class -> first-token deadline in seconds (a class not named has none)."""
         missing = sorted({m for _, m, _ in replicas} - set(profiles))
         if missing:
             raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
@@ -99,6 +127,7 @@ class Simulator:
         self.max_batch = max_batch
         self.interference = interference
         self.default_prompt_tokens = default_prompt_tokens
+        self.deadlines = deadlines or {}
         self.now = 0.0
         self._events: list[tuple[float, int, int]] = []  # (time, seq, replica index)
         self._seq = itertools.count()
@@ -109,26 +138,28 @@ class Simulator:
             raise ValueError(f"deployment {deployment.name!r} names no latency profile")
         replicas = [(r.name, r.model, r.device or r.name) for r in deployment.replicas]
         kwargs.setdefault("interference", deployment.profile.interference)
-        seqs = {r.engine_args.get("max_num_seqs") for r in deployment.replicas} - {None}
-        if len(seqs) == 1:  # vLLM's cap on a batch, where the deployment sets one
-            kwargs.setdefault("max_batch", int(seqs.pop()))  # type: ignore[arg-type]
+        kwargs.setdefault("deadlines", {n: c.deadline_s for n, c in deployment.qos_classes.items()})
+        if deployment.max_batch is not None:  # vLLM's cap on a batch, where the deployment sets one
+            kwargs.setdefault("max_batch", deployment.max_batch)
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)  # type: ignore[arg-type]
 
     def view(self) -> ClusterView:
         return ClusterView(
-            tuple(ReplicaState(r.name, r.model, r.in_flight, True) for r in self.replicas)
+            tuple(ReplicaState(r.name, r.model, r.in_flight, True, r.owed) for r in self.replicas)
         )
 
     def submit(self, request: Request, replica: int) -> None:
         """Queue `request` at `replica` at the current time (its arrival, for the SLO)."""
         r = self.replicas[replica]
         tokens = max(1, request.max_tokens or 1)
-        r.waiting.append(_Job(request, self.now, tokens, tokens))
+        deadline = self.now + self.deadlines.get(request.qos_class, float("inf"))
+        r.waiting.append(_Job(request, self.now, deadline, tokens, tokens))
+        r.owed += tokens
         if r.busy_until is None:
             self._start_iteration(replica)
 
     def advance(self, until: float) -> list[Finished]:
-        """Run every iteration that ends by `until`; return the requests that finished."""
+        """Run every iteration that ends by `until`; return the requests that ended."""
         finished: list[Finished] = []
         while self._events and self._events[0][0] <= until:
             at, _, index = heapq.heappop(self._events)
@@ -138,7 +169,7 @@ class Simulator:
         return finished
 
     def drain(self) -> list[Finished]:
-        """Run until every submitted request has finished."""
+        """Run until every submitted request has ended."""
         finished: list[Finished] = []
         while self._events:
             finished += self.advance(self._events[0][0])
@@ -168,27 +199,40 @@ class Simulator:
         done: list[Finished] = []
         still: list[_Job] = []
         for job in r.running:
+            if job.first_token is None and job.deadline < self.now:
+                done.append(self._end(index, job, DEADLINE))  # aborted before this token
+                continue
             job.remaining -= 1
+            r.owed -= 1
             if job.first_token is None:
                 job.first_token = self.now
             if job.remaining > 0:
                 still.append(job)
-                continue
-            elapsed = self.now - job.arrival
-            done.append(
-                Finished(
-                    job.request,
-                    index,
-                    r.model,
-                    job.arrival,
-                    job.first_token,
-                    self.now,
-                    job.tokens,
-                    self.slo.met(elapsed, job.tokens),
-                )
-            )
+            else:
+                done.append(self._end(index, job, OK))
         r.running = still
+        late = [j for j in r.waiting if j.deadline <= self.now]
+        if late:  # the gateway's 504 for what waited out its deadline in the queue
+            done += [self._end(index, j, DEADLINE) for j in late]
+            r.waiting = [j for j in r.waiting if j.deadline > self.now]
         r.busy_until = None
         self._busy[r.device] -= 1
         self._start_iteration(index)
         return done
+
+    def _end(self, index: int, job: _Job, outcome: str) -> Finished:
+        """`job` leaves replica `index`: its last token (OK) or its deadline."""
+        r = self.replicas[index]
+        r.owed -= job.remaining
+        ok = outcome == OK
+        return Finished(
+            job.request,
+            index,
+            r.model,
+            job.arrival,
+            job.first_token,
+            self.now,
+            job.tokens if ok else 0,
+            ok and self.slo.met(self.now - job.arrival, job.tokens),
+            outcome,
+        )

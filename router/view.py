@@ -3,6 +3,7 @@ or from the simulator."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -18,6 +19,9 @@ class ReplicaState(NamedTuple):
     """Requests dispatched here and not yet finished."""
     available: bool
     """Healthy, and allowed for this request (one that names a model allows only its replicas)."""
+    owed: int = 0
+    """Output tokens still owed to the requests in flight here: their max_tokens (or a guess,
+    where a request sets none) less what they have had. Admission control's queue estimate."""
 
 
 @dataclass(frozen=True)
@@ -33,3 +37,14 @@ class ClusterView:
             if wanted and (best is None or r.running < self.replicas[best].running):
                 best = i
         return best
+
+    def only(self, allowed: Sequence[bool]) -> ClusterView:
+        """This view with the replicas not `allowed` marked unavailable."""
+        if all(allowed):
+            return self
+        return ClusterView(
+            tuple(
+                r._replace(available=r.available and ok)
+                for r, ok in zip(self.replicas, allowed, strict=True)
+            )
+        )

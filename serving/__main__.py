@@ -9,6 +9,7 @@ import logging
 import sys
 from functools import partial
 
+from config import ConfigError
 from router.policies import POLICIES
 from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
@@ -27,6 +28,12 @@ def main() -> int:
     )
     parser.add_argument("--policy", choices=sorted(POLICIES), help="override the deployment's")
     parser.add_argument(
+        "--admission",
+        choices=["deadline", "none"],
+        help="override the deployment's admission control: deadline sheds (429) what no replica "
+        "can start within its class's budget; none dispatches everything",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -40,12 +47,18 @@ def main() -> int:
     )
     args = parser.parse_args()
     setup = prepare(parser, args)
+    deployment = setup.deployment
+    if args.admission is not None:
+        try:
+            deployment = deployment.with_admission(args.admission)
+        except ConfigError as exc:
+            parser.error(str(exc))
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
     try:
-        app = build_app(setup.deployment, args.policy, args.max_body_bytes)
+        app = build_app(deployment, args.policy, args.max_body_bytes)
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier
@@ -54,7 +67,9 @@ def main() -> int:
         max_body_bytes=args.max_body_bytes,
     )
     # The request log replaces uvicorn's access log: one line per request, over either protocol.
-    server = DualServer(app, setup.listen, h3, log_level=args.log_level, access_log=False)
+    server = DualServer(
+        app, setup.listen, h3, log_level=args.log_level, access_log=False, drain=app.state.drain
+    )
     asyncio.run(serve_forever(server, on_ready=_announce))
     return 0
 

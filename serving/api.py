@@ -6,7 +6,6 @@ It knows the gateway's interface only: not the policy, the engines or the transp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from serving import metrics as outcomes
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
 from serving.metrics import Metrics, RequestRecord
 from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from transport.drain import Drain
 from transport.qos import QosRejected, RequestTag, tag_of
 from workloads import Message
 from workloads import Request as LlmRequest
@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(gateway: Gateway, lifespan: Lifespan | None = None) -> FastAPI:
-    """The API. Every HTTP request must reach it tagged (`transport.qos.TagRequests`)."""
+def create_app(
+    gateway: Gateway, lifespan: Lifespan | None = None, drain: Drain | None = None
+) -> FastAPI:
+    """The API. Every HTTP request must reach it tagged (`transport.qos.TagRequests`). `drain`:
+    the server's stop, which /readyz reports (`stopping_drain` makes one that speaks OpenAI)."""
     app = FastAPI(title="QoS-aware LLM serving", lifespan=lifespan)
 
     @app.post("/v1/chat/completions")
@@ -83,12 +86,15 @@ def create_app(gateway: Gateway, lifespan: Lifespan | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        """Readiness: every replica the deployment names is up; else 503, naming those down."""
+        """Readiness: every replica the deployment names is up; else 503, naming those down.
+        While the server stops (draining) 503 too, so that a load balancer sends no more."""
         replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
         down = [name for name, up in replicas.items() if not up]
+        draining = drain is not None and drain.draining
+        status = "draining" if draining else "unready" if down else "ready"
         return JSONResponse(
-            {"status": "unready" if down else "ready", "down": down, "replicas": replicas},
-            status_code=503 if down else 200,
+            {"status": status, "down": down, "replicas": replicas},
+            status_code=503 if down or draining else 200,
         )
 
     @app.get("/metrics")
@@ -97,6 +103,42 @@ def create_app(gateway: Gateway, lifespan: Lifespan | None = None) -> FastAPI:
 
     _install_error_handlers(app, gateway.metrics)
     return app
+
+
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+"""Served as usual while the server stops: they start no work, and /readyz says it is stopping."""
+
+
+def stopping_drain(metrics: Metrics) -> Drain:
+    """The server's stop (`transport.drain`) in OpenAI's shapes, counted in `metrics`: a request
+    refused while draining gets a 503 with code `shutting_down` and counts as draining; an event
+    stream cut at the end of the drain ends with an error event and [DONE], as a stream whose
+    engine fails does, and counts as stopped."""
+    message = "The server is shutting down and takes no new requests; retry elsewhere."
+    refusal = json.dumps(_error_body(503, message, "shutting_down")).encode()
+    cut = _event(
+        _error_body(503, "The server stopped before this response was complete.", "shutting_down")
+    )
+    tail = f"{cut}data: [DONE]\n\n".encode()
+
+    def on_refuse(scope: Scope) -> None:
+        if tag_of(scope) is not None:  # every request is tagged before the gate (build_app)
+            metrics.rejected(outcomes.DRAINING, record_of(scope))
+
+    def on_cut(scope: Scope) -> None:
+        tag = tag_of(scope)
+        if tag is not None:
+            metrics.cut(tag.request_id)
+
+    return Drain(
+        refusal=lambda scope: (b"application/json", refusal),
+        cut_tail=lambda scope, content_type: (
+            tail if content_type.startswith(b"text/event-stream") else None
+        ),
+        on_refuse=on_refuse,
+        on_cut=on_cut,
+        admit=lambda scope: scope["method"] in ("GET", "HEAD") and scope["path"] in PROBES,
+    )
 
 
 def record_of(scope: Scope) -> RequestRecord:
@@ -151,7 +193,7 @@ async def _serve(
     shape = _Shape(generation, chat)
     if body.stream:
         return GenerationStream(generation, shape.sse(body.include_usage), headers)
-    return JSONResponse(await _complete(generation, shape, raw.receive), headers=headers)
+    return WholeAnswer(generation, await _complete(generation, shape, raw.receive), headers)
 
 
 class _Shape:
@@ -237,7 +279,9 @@ class GenerationStream(StreamingResponse):
 
     It watches for the client going away while it streams (Starlette, for ASGI 2.4 servers, only
     notices on the next failed write, which can be long while a request waits in a queue), and
-    it closes the generation however the stream ends, which frees the replica.
+    it closes the generation however the stream ends, which frees the replica. The request
+    counts as ok only if the whole stream went out: over HTTP/3 the last send returns once the
+    client has acknowledged everything, and raises if the stream is reset before.
     """
 
     def __init__(self, generation: Generation, events: AsyncIterator[str], headers: dict[str, str]):
@@ -249,9 +293,12 @@ class GenerationStream(StreamingResponse):
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    # A server may raise on a write to a gone client; the watcher sees it too.
-                    with contextlib.suppress(OSError):
+                    try:
                         await self.stream_response(send)
+                    except OSError:
+                        pass  # the client is gone; the watcher sees it too
+                    else:
+                        self.generation.delivered()
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -262,8 +309,27 @@ class GenerationStream(StreamingResponse):
                 await self.generation.aclose()
 
 
+class WholeAnswer(JSONResponse):
+    """A whole (not streamed) answer: it counts as ok once sent, and closes its generation."""
+
+    def __init__(self, generation: Generation, content: dict[str, Any], headers: dict[str, str]):
+        super().__init__(content, headers=headers)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+            self.generation.delivered()
+        except OSError:
+            pass  # the client is gone: HTTP/3 says so when the answer's last send fails
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.generation.aclose()
+
+
 async def _complete(generation: Generation, shape: _Shape, receive: Receive) -> dict[str, Any]:
-    """The whole response, unless the client disconnects first; then the request is aborted."""
+    """The whole response, unless the client disconnects first; then the request is aborted.
+    The generation stays open for `WholeAnswer` to send."""
     texts: list[str] = []
 
     async def collect() -> None:
@@ -272,9 +338,10 @@ async def _complete(generation: Generation, shape: _Shape, receive: Receive) -> 
 
     try:
         await _unless_disconnected(receive, collect())
-    finally:
+    except BaseException:
         with anyio.CancelScope(shield=True):
             await generation.aclose()
+        raise
     return shape.whole("".join(texts))
 
 

@@ -11,10 +11,11 @@ from fastapi import FastAPI
 
 from config import Deployment
 from router.policies import make_policy
-from serving.api import create_app, record_of
+from serving.api import create_app, record_of, stopping_drain
 from serving.gateway import Gateway
 from serving.metrics import INVALID, Metrics
 from serving.replicas import ReplicaSet
+from transport.drain import Draining
 from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from transport.qos import QosClassifier, TagRequests
 
@@ -22,7 +23,8 @@ from transport.qos import QosClassifier, TagRequests
 def build_app(
     deployment: Deployment, policy: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
-    """The app for `deployment`. Its engines start with the app's lifespan and stop with it."""
+    """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
+    `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start."""
     replicas = ReplicaSet.from_deployment(deployment)
     gateway = Gateway(deployment, replicas, make_policy(deployment, policy), Metrics(replicas))
     classifier = QosClassifier.from_deployment(deployment)
@@ -44,16 +46,21 @@ def build_app(
             loop_lag.cancel()
             await replicas.close()
 
-    app = create_app(gateway, lifespan)
+    drain = stopping_drain(gateway.metrics)
+    app = create_app(gateway, lifespan, drain)
     app.add_middleware(
         BodyLimit,
         max_bytes=max_body_bytes,
         on_refuse=lambda scope: gateway.metrics.rejected(INVALID, record_of(scope)),
     )
+    # Inside the tagging, so that a request refused while the server stops is counted with its
+    # tag; outside the rest, so that nothing starts for it.
+    app.add_middleware(Draining, drain=drain)
     # Outermost, so that even a refused body is counted with its tag. Requests the HTTP/3 server
     # tagged at their HEADERS pass as they are; the others are tagged here, from the arrival the
     # HTTP/1.1 server stamped.
     app.add_middleware(TagRequests, tag=classifier.tag)
     app.state.gateway = gateway
     app.state.classifier = classifier
+    app.state.drain = drain
     return app

@@ -11,11 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import NoReturn
 
 from config import Deployment, Limits
+from router.admission import Admission, Shed, admission_for, assumed_output_tokens
 from router.features import ArrivalRateEstimator, FeatureEncoder
 from router.policies import Policy
+from router.view import ClusterView
 from serving import metrics as outcomes
 from serving.engines.base import (
     EngineError,
@@ -78,6 +81,18 @@ class RateLimited(GatewayError):
         self.headers = {"Retry-After": str(over.retry_after_s)}
 
 
+class Overloaded(GatewayError):
+    status, code, outcome = 429, "overloaded", outcomes.SHED
+
+    def __init__(self, shed: Shed, qos_class: str) -> None:
+        super().__init__(
+            f"The server is overloaded: the first token of a {qos_class} request would come in "
+            f"about {shed.estimate_s:.1f} s, past the {shed.budget_s:g} s this class may wait. "
+            f"Retry in {shed.retry_after_s} s."
+        )
+        self.headers = {"Retry-After": str(shed.retry_after_s)}
+
+
 def deadline_exceeded(request: Request, deployment: Deployment) -> DeadlineExceeded:
     deadline = deployment.qos_classes[request.qos_class].deadline_s
     return DeadlineExceeded(
@@ -98,7 +113,9 @@ class Gateway:
         policy: Policy,
         metrics: Metrics,
         clock: Clock = time.monotonic,
+        admission: Admission | None = None,
     ) -> None:
+        """`admission` decides what is shed before routing (default: the deployment's rule)."""
         self.deployment = deployment
         self.replicas = replicas
         self.policy = policy
@@ -110,6 +127,7 @@ class Gateway:
         )
         self.rate = ArrivalRateEstimator()
         self.limiter = KeyLimiter(self._limits_of)
+        self.admission = admission or admission_for(deployment)
 
     async def start(
         self,
@@ -141,15 +159,26 @@ class Gateway:
         while True:
             try:
                 self._check(request, model)
-                if self.deadline(request) <= self.clock():
+                now = self.clock()
+                if self.deadline(request) <= now:
                     raise deadline_exceeded(request, self.deployment)
-                replica = self._route(request, model, rate, skipped)
+                admitted = self.admission.check(request, self._view(model, skipped), now)
+                if isinstance(admitted, Shed):
+                    raise Overloaded(admitted, request.qos_class)
+                index = self._route(request, model, rate, admitted)
+                expected = self.admission.expect(request, admitted, index)
             except GatewayError as exc:
                 self.limiter.release(api_key)
                 self._refuse(record, model, exc)
             record.routed = self.clock()
             generation = Generation(
-                self, request, replica, sampling, record, lambda: self.limiter.release(api_key)
+                self,
+                request,
+                self.replicas[index],
+                replace(sampling, priority=self.deployment.qos_classes[request.qos_class].urgency),
+                record,
+                lambda: self.limiter.release(api_key),
+                self._learn(index, expected),
             )
             try:
                 await generation.first_token()
@@ -157,7 +186,7 @@ class Gateway:
             except EngineUnavailable as exc:
                 # Nothing started there, so nothing is lost by trying the next choice.
                 log.warning("%s; trying another replica", exc)
-                skipped.add(replica.name)
+                skipped.add(generation.replica.name)
 
     def _limits_of(self, api_key: str | None) -> Limits:
         if api_key is not None:
@@ -186,12 +215,21 @@ class Gateway:
             known = ", ".join(self.deployment.tasks)
             raise BadRequest(f"Unknown task {request.task!r} (known: {known}).", "task")
 
-    def _route(self, request: Request, model: str, rate: float, skipped: set[str]) -> Replica:
-        started = time.perf_counter()
+    def _view(self, model: str, skipped: set[str]) -> ClusterView:
         view = self.replicas.view(None if model == AUTO else model, exclude=skipped)
         if not any(r.available for r in view.replicas):
             which = "the router's models" if model == AUTO else f"model {model!r}"
             raise NoReplicaAvailable(f"No healthy replica can serve {which} right now.")
+        return view
+
+    def _learn(self, index: int, expected: float | None) -> Callable[[float], None]:
+        """What to do with the time from dispatch to the first token: tell admission control."""
+        if expected is None:
+            return lambda actual: None
+        return lambda actual: self.admission.observe(index, expected, actual)
+
+    def _route(self, request: Request, model: str, rate: float, view: ClusterView) -> int:
+        started = time.perf_counter()
         if model != AUTO:
             index = view.least_loaded(model)
         else:
@@ -204,7 +242,7 @@ class Gateway:
                 if index is None:
                     index = view.least_loaded()
         assert index is not None
-        return self.replicas[index]
+        return index
 
 
 _END = object()
@@ -237,10 +275,13 @@ class Generation:
         sampling: Sampling,
         record: RequestRecord,
         on_end: Callable[[], None] = lambda: None,
+        on_first: Callable[[float], None] = lambda after_s: None,
     ):
-        """`on_end` runs once when the request ends here, unless it goes on at another replica."""
+        """`on_end` runs once when the request ends here, unless it goes on at another replica;
+        `on_first` gets the time from dispatch to the first token."""
         self.gateway = gateway
         self._on_end = on_end
+        self._on_first = on_first
         self.request = request
         self.replica = replica
         self.record = record
@@ -254,7 +295,12 @@ class Generation:
         self._last_at: float | None = None
         self._outcome: str | None = None
         replica.running += 1
+        self._owed = assumed_output_tokens(request)
+        """Output tokens this request may still get: its share of the replica's `owed`."""
+        replica.owed += self._owed
         self._released = False
+        self._complete = False
+        """The engine finished the answer; it counts as ok once `delivered`."""
         self._pump = asyncio.create_task(self._run(replica.engine.generate(request, sampling)))
 
     @property
@@ -292,7 +338,8 @@ class Generation:
             await self.aclose()
             raise
         except (EngineError, StopAsyncIteration) as exc:
-            await self._fail(EngineFailed(f"{self.replica.name}: {exc or 'no output'}"))
+            # An engine's own errors already name its replica.
+            await self._fail(EngineFailed(str(exc) or f"{self.replica.name}: no output"))
         except Exception as exc:
             log.exception("%s: unexpected error before the first token", self.replica.name)
             await self._fail(EngineFailed(f"{self.replica.name}: {type(exc).__name__}"))
@@ -310,9 +357,14 @@ class Generation:
         now = self.gateway.clock()
         if self._first_at is None:
             self._first_at = now
+            if self.record.routed is not None:
+                self._on_first(now - self.record.routed)
         self._last_at = now
         self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
         self.completion_tokens += item.tokens
+        paid = min(item.tokens, self._owed)
+        self._owed -= paid
+        self.replica.owed -= paid
         self.finish_reason = item.finish_reason or self.finish_reason
         return item
 
@@ -334,7 +386,14 @@ class Generation:
         except Exception as exc:
             log.exception("%s: unexpected error mid-stream", self.replica.name)
             await self._fail(EngineFailed(f"{self.replica.name}: {type(exc).__name__}"))
-        self._finish(outcomes.OK)
+        self._complete = True
+
+    def delivered(self) -> None:
+        """The client has the whole answer: a finished generation counts as ok. Not before:
+        an answer whose stream is reset after its last token was written never reached its
+        client, and `aclose` counts it as cancelled."""
+        if self._complete:
+            self._finish(outcomes.OK)
 
     async def _fail(self, error: GatewayError) -> None:
         self._finish(error.outcome)
@@ -366,6 +425,8 @@ class Generation:
             return
         self._released = True
         self.replica.running -= 1
+        self.replica.owed -= self._owed
+        self._owed = 0
         if self._outcome != _RETRIED:
             self._on_end()
         if self._outcome == outcomes.OK and not self._pump.done():

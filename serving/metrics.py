@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from serving.replicas import ReplicaSet
@@ -39,6 +40,9 @@ DEADLINE = "deadline"  # no first token within the class's deadline
 ENGINE_ERROR = "engine_error"  # the engine failed after accepting it
 CANCELLED = "cancelled"  # the client went away first
 LIMITED = "limited"  # 429: its API key was over its rate or concurrency limit
+SHED = "shed"  # 429: no replica could have given its first token in time (admission control)
+DRAINING = "draining"  # 503 (HTTP/3: rejected after GOAWAY): it came while the server was stopping
+STOPPED = "stopped"  # still running when the server's drain time ran out, and cut
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -191,6 +195,13 @@ class Metrics:
         # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds: the
         # front-end process's own (engines run in processes of their own).
         ProcessCollector(registry=self.registry)
+        self._cut: set[str] = set()
+        """Requests the server cut as it stopped: they end as stopped, not cancelled."""
+
+    def cut(self, request_id: str) -> None:
+        """The server is cutting this request as it stops (`transport.drain`): the gateway will
+        see its client leave and close it, and it counts as stopped."""
+        self._cut.add(request_id)
 
     def rejected(self, outcome: str, record: RequestRecord) -> None:
         """Count a request refused before the gateway saw it (bad input, a refused key)."""
@@ -198,6 +209,8 @@ class Metrics:
 
     def finish(self, record: RequestRecord, outcome: str, slo_met: bool) -> None:
         """Count how one request ended, and log it: exactly once per request."""
+        if outcome == CANCELLED and record.request_id in self._cut:
+            outcome = STOPPED
         cls, model = record.qos_class or "none", record.model or "none"
         self.requests.labels(cls, model, outcome).inc()
         if record.received is not None:
@@ -229,6 +242,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+_REPLICA_LABELS = ["replica", "model"]
+M = TypeVar("M", GaugeMetricFamily, CounterMetricFamily)
+
+
 class _ReplicaCollector(Collector):
     """Per-replica gauges, read from the live replica set at scrape time."""
 
@@ -248,13 +265,25 @@ class _ReplicaCollector(Collector):
         )
         yield self._gauge(
             "serving_replica_healthy",
-            "1 if the replica accepts requests.",
+            "1 if the replica accepts requests, 0 while its engine is down or restarting.",
             ((r, int(r.engine.healthy())) for r in self.replicas),
         )
+        yield self._labelled(
+            CounterMetricFamily(
+                "serving_engine_restarts",
+                "Times the replica's engine came back after it went down: a vLLM engine "
+                "restarted, a remote server reachable again.",
+                labels=_REPLICA_LABELS,
+            ),
+            ((r, r.restarts) for r in self.replicas),
+        )
+
+    @classmethod
+    def _gauge(cls, name: str, doc: str, values: Iterator) -> GaugeMetricFamily:
+        return cls._labelled(GaugeMetricFamily(name, doc, labels=_REPLICA_LABELS), values)
 
     @staticmethod
-    def _gauge(name: str, doc: str, values: Iterator) -> GaugeMetricFamily:
-        gauge = GaugeMetricFamily(name, doc, labels=["replica", "model"])
+    def _labelled(family: M, values: Iterator) -> M:
         for replica, value in values:
-            gauge.add_metric([replica.name, replica.model], value)
-        return gauge
+            family.add_metric([replica.name, replica.model], value)
+        return family

@@ -1,10 +1,12 @@
-"""The deployment's replicas: one engine each, with the gateway's live count of running requests."""
+"""The deployment's replicas: one engine each, with the gateway's live count of running requests,
+and a supervisor per replica that brings its engine back when it goes down."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Iterator
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from config import Deployment, ReplicaConfig
@@ -20,6 +22,10 @@ class Replica:
     engine: Engine
     running: int = 0
     """Requests the gateway dispatched here that have not finished, as the gateway sees them."""
+    owed: int = 0
+    """Output tokens still owed to those requests (`router.view.ReplicaState.owed`)."""
+    restarts: int = 0
+    """Times its engine came back after going down."""
 
     @property
     def name(self) -> str:
@@ -41,23 +47,129 @@ def make_engine(config: ReplicaConfig) -> Engine:
     return VllmEngine(config)
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """When to try to bring a down engine back: `first_s` after it went down, then twice as long
+    after each failed try, at most `max_s`. The waits start again from `first_s` only once the
+    engine has stayed up for `stable_s`, so one that dies as soon as it is back is retried ever
+    less often instead of in a tight loop of engine starts."""
+
+    first_s: float = 1.0
+    max_s: float = 60.0
+    stable_s: float = 120.0
+
+    def delay(self, tries: int) -> float:
+        """The wait before try number `tries` (from 0) since the engine was last stable."""
+        return min(self.max_s, self.first_s * 2**tries)
+
+
+PROBE_BACKOFF = Backoff(first_s=1.0, max_s=5.0)
+"""How often a remote replica's server is asked whether it answers again."""
+
+
+class Supervisor:
+    """Keeps one replica's engine up, whatever its kind: it notices that the engine went down
+    (`healthy()` turned false) and calls its `recover()` with backoff until that succeeds. A
+    vLLM engine recovers by replacing its dead processes, a remote one when its server answers.
+
+    While down, the replica is out of the router's view (`ReplicaSet.view` asks `healthy()`), and
+    it rejoins as soon as `recover()` returns. Requests it held when it died are not retried here:
+    they end as engine errors in the gateway.
+    """
+
+    def __init__(
+        self,
+        replica: Replica,
+        backoff: Backoff = Backoff(),
+        poll_s: float = 0.5,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replica = replica
+        self.backoff = backoff
+        # vLLM marks a dead engine at once (its monitor thread waits on the process), but offers
+        # no callback; polling a flag twice a second costs nothing and serves every engine kind.
+        self.poll_s = poll_s
+        self.sleep = sleep
+        self.clock = clock
+
+    async def run(self) -> None:
+        """Supervise until cancelled."""
+        name, engine = self.replica.name, self.replica.engine
+        tries = 0
+        up_since = self.clock()
+        while True:
+            while engine.healthy():
+                if tries and self.clock() - up_since >= self.backoff.stable_s:
+                    tries = 0
+                await self.sleep(self.poll_s)
+            down_at = self.clock()
+            log.warning(
+                "%s: engine down; trying to bring it back in %g s", name, self.backoff.delay(tries)
+            )
+            tries = await self._recover(tries)
+            self.replica.restarts += 1
+            up_since = self.clock()
+            log.info("%s: engine back after %.1f s down", name, up_since - down_at)
+
+    async def _recover(self, tries: int) -> int:
+        """Try until the engine is back; returns the tries made since it was last stable."""
+        said = ""
+        while True:
+            await self.sleep(self.backoff.delay(tries))
+            tries += 1
+            try:
+                await self.replica.engine.recover()
+                return tries
+            except Exception as exc:  # noqa: BLE001 - any failure to start is tried again later
+                problem = f"{type(exc).__name__}: {exc}"
+                # Once per reason: a server away for a day would otherwise log every minute.
+                if problem != said:
+                    log.warning(
+                        "%s: still down (%s); next try in %g s",
+                        self.replica.name,
+                        problem,
+                        self.backoff.delay(tries),
+                    )
+                    said = problem
+
+
 class ReplicaSet:
-    def __init__(self, replicas: list[Replica]) -> None:
+    def __init__(self, replicas: list[Replica], backoff: Backoff = Backoff()) -> None:
         self.replicas = replicas
+        self.backoff = backoff
+        self._supervisors: list[asyncio.Task[None]] = []
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> ReplicaSet:
         return cls([Replica(c, make_engine(c)) for c in deployment.replicas])
 
     async def start(self) -> None:
-        """Start every engine at once; any that fails to start stops the others and raises."""
+        """Start every engine at once, then supervise each; any engine that fails to start
+        stops the others and raises, since a deployment that never ran is a configuration
+        error to report, not an outage to ride out."""
         try:
             await asyncio.gather(*(r.engine.start() for r in self.replicas))
         except BaseException:
             await self.close()
             raise
+        self._supervisors = [
+            asyncio.create_task(Supervisor(r, self._backoff(r)).run(), name=f"supervise {r.name}")
+            for r in self.replicas
+        ]
+
+    def _backoff(self, replica: Replica) -> Backoff:
+        # Bringing a remote server back is one HTTP request, not an engine start: try it often,
+        # so that one that answers again rejoins within seconds.
+        return PROBE_BACKOFF if replica.config.url is not None else self.backoff
 
     async def close(self) -> None:
+        # Supervisors first, so that none brings back an engine being closed. One cancelled in
+        # the middle of a restart stops the engine it was starting before it ends.
+        for task in self._supervisors:
+            task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        self._supervisors = []
         results = await asyncio.gather(
             *(r.engine.close() for r in self.replicas), return_exceptions=True
         )
@@ -77,6 +189,7 @@ class ReplicaSet:
                     available=r.engine.healthy()
                     and model in (None, r.model)
                     and r.name not in exclude,
+                    owed=r.owed,
                 )
                 for r in self.replicas
             )

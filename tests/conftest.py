@@ -6,6 +6,7 @@ They start in the background when the session begins and each test waits only fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from serving.replicas import PROBE_BACKOFF
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -49,6 +52,33 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what or predicate}")
         time.sleep(0.05)
+
+
+ENGINE_CORE = "VLLM::EngineCor"
+"""A vLLM EngineCore process's name (its title, cut to the kernel's 15 characters)."""
+
+
+def processes_under(pid: int) -> dict[int, str]:
+    """Every process descended from `pid`, with its name."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        # A process may end while it is being looked at (an engine being killed, say).
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                for child in (task / "children").read_text().split():
+                    found[int(child)] = Path(f"/proc/{child}/comm").read_text().strip()
+                    todo.append(int(child))
+    return found
+
+
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU sets the threads of a process may run on."""
+    return {
+        frozenset(os.sched_getaffinity(int(task.name)))
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
 
 
 @dataclass
@@ -162,6 +192,18 @@ def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
             deployment["policy"]["path"] = str(ROOT / path)
     for qos_class in spec["qos_classes"].values():
         qos_class["deadline_s"] = 60.0
+    # Admission control would refuse the impatient class at once (429) rather than let it reach
+    # its deadline (504), which the deadline tests need; it has a server of its own (remote_test).
+    spec["deployments"]["embedded"]["admission"] = {"rule": "none"}
+    # remote_test's replica, to admission control: a first token in 1 s while it is idle, in 45 s
+    # as soon as one request runs there. With the 60 s deadlines above, that lets a real-time
+    # request in (budget 60 s) and sheds a free-tier one (budget 15 s) behind a single stream.
+    spec["profiles"]["saturable"] = {
+        "hardware": "none: a stand-in for a saturated replica",
+        "source": "derived",
+        "how": "made up for tests/test_admission.py",
+        "models": {"tiny-s": {"prefill_s_per_token": 0.0, "step_s": {1: 1.0, 2: 45.0}}},
+    }
     spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}
     spec["tiers"]["anonymous"]["classes"].append("impatient")
     spec["api_keys"] = [
@@ -197,7 +239,11 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
                     "served_name": "tiny-s",
                 }
             ],
-            {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
+            {
+                "placement": "remote_test",
+                "policy": {"name": "quality-threshold"},
+                "profile": "saturable",
+            },
         ),
     )
     # The embedded models must exist before `vllm serve` loads one of them.
@@ -291,7 +337,9 @@ def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
             )
             == 1.0
         ),
-        30,
+        # The upstream may come up after the gateway, whose supervisor then probes it with
+        # backoff: the next probe can be up to the longest wait away.
+        PROBE_BACKOFF.max_s + 30,
         "the remote replica to be healthy",
     )
     return server

@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import os
 import socket
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import PREMIUM_KEY, Server, wait_until
+from tests.conftest import (
+    ENGINE_CORE,
+    PREMIUM_KEY,
+    Server,
+    processes_under,
+    thread_cores,
+    wait_until,
+)
 
 HELLO = [{"role": "user", "content": "Hello there!"}]
 
@@ -130,40 +136,19 @@ def _in_flight_is_zero(server: Server) -> bool:
     )
 
 
-def _processes_under(pid: int) -> dict[int, str]:
-    """Every process descended from `pid`, with its name."""
-    found: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                found[int(child)] = Path(f"/proc/{child}/comm").read_text().strip()
-                todo.append(int(child))
-    return found
-
-
-def _thread_cores(pid: int) -> set[frozenset[int]]:
-    """The distinct CPU sets the threads of a process may run on."""
-    return {
-        frozenset(os.sched_getaffinity(int(task.name)))
-        for task in Path(f"/proc/{pid}/task").iterdir()
-    }
-
-
 def test_engines_leave_the_last_core_to_the_front_end(server: Server) -> None:
     everything = frozenset(os.sched_getaffinity(0))
     if len(everything) < 2:
         pytest.skip("one core: nothing to leave free")
     engine_cores = everything - {max(everything)}
-    processes = _processes_under(server.process.pid)
-    engine_core_pids = [pid for pid, name in processes.items() if name == "VLLM::EngineCor"]
+    processes = processes_under(server.process.pid)
+    engine_core_pids = [pid for pid, name in processes.items() if name == ENGINE_CORE]
     assert len(engine_core_pids) == 3, processes
     for pid in engine_core_pids:  # vLLM itself pins only the worker, not its EngineCore
-        assert _thread_cores(pid) == {engine_cores}
+        assert thread_cores(pid) == {engine_cores}
     # Threads the front-end started while its engines started (ZMQ's) inherited the engines'
     # cores, and must have been given all of them back.
-    assert _thread_cores(server.process.pid) == {everything}
+    assert thread_cores(server.process.pid) == {everything}
 
 
 def test_client_disconnect_mid_stream_frees_the_engine_slot(server: Server) -> None:

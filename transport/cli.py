@@ -32,6 +32,20 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
     parser.add_argument(
         "--scheduler", default="ml", choices=sorted(SCHEDULERS), help="QUIC stream scheduler"
     )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=Http3Settings.max_streams,
+        help="concurrent HTTP/3 requests per client connection, QUIC's MAX_STREAMS "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=Listen.drain_s,
+        help="on SIGTERM or SIGINT, refuse new requests and give those in flight this long to "
+        "finish before they are cut; a second signal cuts at once (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -42,8 +56,10 @@ class ServerSetup:
     certfile: str
     keyfile: str
     scheduler: str
+    max_streams: int = Http3Settings.max_streams
 
     def http3(self, tag: Tagger, **settings: int) -> Http3Settings:
+        settings.setdefault("max_streams", self.max_streams)
         return Http3Settings(
             self.certfile, self.keyfile, scheduler=self.scheduler, tag=tag, **settings
         )
@@ -61,12 +77,16 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         parser.exit(2, f"error: {exc}\n")
     if bool(args.cert) != bool(args.key):
         parser.exit(2, "error: --cert and --key go together\n")
+    if args.max_streams < 1:
+        parser.exit(2, "error: --max-streams must be at least 1\n")
+    if not args.drain_s >= 0:
+        parser.exit(2, "error: --drain-s must be at least 0\n")
     for kind, port in (("tcp", args.port), ("udp", args.h3_port)):
         if port and (problem := _cannot_listen(args.host, port, kind)):
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
-    listen = Listen(args.host, args.port or None, args.h3_port or None)
-    return ServerSetup(deployment, listen, str(cert), str(key), args.scheduler)
+    listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s)
+    return ServerSetup(deployment, listen, str(cert), str(key), args.scheduler, args.max_streams)
 
 
 def _cannot_listen(host: str, port: int, kind: str) -> str | None:

@@ -281,6 +281,10 @@ def client_configuration(
     return configuration
 
 
+_ACK_FLUSH_S = 0.01
+"""Ten times aioquic's ack delay: time for the last acknowledgement to leave before a close."""
+
+
 class Http3Client:
     """`async with Http3Client(host, port) as client: response = await client.request(...)`."""
 
@@ -317,6 +321,12 @@ class Http3Client:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._context is not None:
+            if self.is_open:
+                # aioquic acknowledges what it received after its ack delay (1 ms), and a
+                # CONNECTION_CLOSE sent first carries no acknowledgement; a server that counts a
+                # response as delivered only once it is acknowledged (ours) would count the last
+                # one as cancelled. One short wait lets the acknowledgement go out first.
+                await asyncio.sleep(_ACK_FLUSH_S)
             await self._context.__aexit__(None, None, None)
             self._context = None
 

@@ -1,9 +1,10 @@
 """The edge front-end (seed 004, Figure 2): `python -m transport.frontend --backend URL`.
 
-It accepts client HTTP/3 and HTTP/1.1 and forwards every request as a stream over one long-lived
-QUIC connection to the back-end. Each forwarded stream is tagged with its QoS class's priority and
-deadline, so on that shared connection the stream scheduler decides whose bytes go first, in both
-directions: this side orders the requests, the back-end orders the responses.
+It accepts client HTTP/3 and HTTP/1.1 and forwards every request as a stream over a long-lived
+QUIC connection to the back-end: one, or as many as the load needs (`BackendPool`). Each forwarded
+stream is tagged with its QoS class's priority and deadline, so on a shared connection the stream
+scheduler decides whose bytes go first, in both directions: this side orders the requests, the
+back-end orders the responses.
 
 The edge tags each request as it arrives here (`transport.qos`), and forwards the tag: the
 request's age, class, tier and id, in `x-edge-*` headers with the edge's key. The back-end keeps
@@ -12,7 +13,9 @@ client's arrival here; otherwise it classifies and times the request itself. The
 sends under those names are dropped, whoever the client is.
 
 A client that goes away resets its forwarded stream, which the back-end sees as a disconnect and
-turns into an engine abort. A back-end that is unreachable gets the client a 502.
+turns into an engine abort. A back-end that is unreachable gets the client a 502, and a response
+stream that the back-end resets part-way ends the client's response as an error too (HTTP/1.1:
+the connection closes before the last chunk; HTTP/3: the stream is reset), never as a clean end.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import suppress
 from typing import Any
 
 from transport.client import Http3Client, Response, StreamError
 from transport.qos import EDGE_HEADERS, tag_of
+from transport.schedulers import StreamSpec
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +49,96 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class BackendPool:
-    """One QUIC connection to the back-end, opened on first use and again after it closes."""
+DEFAULT_BACKEND_CONNECTIONS = 8
 
-    def __init__(self, host: str, port: int, verify: bool | str, scheduler: str) -> None:
+
+class BackendPool:
+    """QUIC connections to the back-end, opened as the load needs them.
+
+    A connection carries at most as many requests at once as the back-end's MAX_STREAMS allows
+    (128 for `python -m serving`); aioquic holds a request past that until the back-end grants
+    more, a wait that neither the client nor the back-end sees. So a request goes on the oldest
+    connection with stream credit left, and when none has any, a new connection opens, up to
+    `limit`; only past that do requests wait for credit. A connection the back-end closes (its
+    idle timeout) leaves the pool, which so shrinks again with the load.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        verify: bool | str,
+        scheduler: str,
+        limit: int = DEFAULT_BACKEND_CONNECTIONS,
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         self.host, self.port = host, port
+        self.limit = limit
+        self.clients: list[Http3Client] = []
+        self.opened = 0
+        """Connections opened since start."""
         self._verify = verify
         self._scheduler = scheduler
-        self._client: Http3Client | None = None
         self._lock = asyncio.Lock()
 
-    async def get(self) -> Http3Client:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes = b"",
+        spec: StreamSpec | None = None,
+    ) -> Response:
+        # Nothing awaits between the pick and `request` taking its stream id, so no other
+        # request can take the credit the pick counted on.
+        client = await self._pick()
+        return await client.request(method, path, headers, body, spec)
+
+    async def _pick(self) -> Http3Client:
         async with self._lock:
-            if self._client is None or not self._client.is_open:
-                if self._client is not None:
-                    await self._client.__aexit__(None, None, None)
-                client = Http3Client(
-                    self.host, self.port, verify=self._verify, scheduler=self._scheduler
+            for client in [c for c in self.clients if not c.is_open]:
+                self.clients.remove(client)
+                logger.info(
+                    "back-end connection closed (%s): %d open", client.closed, len(self.clients)
                 )
-                await asyncio.wait_for(client.__aenter__(), timeout=10)
-                self._client = client
-            return self._client
+                await client.__aexit__(None, None, None)
+            for client in self.clients:
+                if client.stream_credit > 0:
+                    return client
+            if len(self.clients) < self.limit:
+                try:
+                    return await self._open()
+                except (OSError, TimeoutError) as exc:
+                    if not self.clients:
+                        raise
+                    logger.warning("could not open another back-end connection: %s", exc)
+            # All at the limit: wait for credit on the connection that needs the least.
+            return max(self.clients, key=lambda c: c.stream_credit)
+
+    async def _open(self) -> Http3Client:
+        client = Http3Client(self.host, self.port, verify=self._verify, scheduler=self._scheduler)
+        try:
+            await asyncio.wait_for(client.__aenter__(), timeout=10)
+        except BaseException:
+            await client.__aexit__(None, None, None)
+            raise
+        self.clients.append(client)
+        self.opened += 1
+        logger.info(
+            "back-end connection opened: %d open (at most %d), %d since start",
+            len(self.clients), self.limit, self.opened,
+        )  # fmt: skip
+        return client
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.__aexit__(None, None, None)
-            self._client = None
+        logger.info(
+            "closing %d back-end connections (%d opened since start)",
+            len(self.clients), self.opened,
+        )  # fmt: skip
+        clients, self.clients = self.clients, []
+        for client in clients:
+            await client.__aexit__(None, None, None)
 
 
 class EdgeProxy:
@@ -119,11 +187,10 @@ class EdgeProxy:
         path = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             path += b"?" + scope["query_string"]
+        if self.edge_key is not None:
+            headers.update(tag.forwarded(time.monotonic(), self.edge_key))
         try:
-            client = await self.pool.get()
-            if self.edge_key is not None:
-                headers.update(tag.forwarded(time.monotonic(), self.edge_key))
-            response = await client.request(
+            response = await self.pool.request(
                 scope["method"], path.decode("latin-1"), headers, body, tag.spec
             )
         except (OSError, TimeoutError, StreamError, ConnectionError) as exc:
@@ -144,9 +211,12 @@ class EdgeProxy:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
+        chunks = response.iter_bytes()
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            chunks = _whole_events(chunks)
         watcher = asyncio.ensure_future(client_gone())
         try:
-            async for chunk in response.iter_bytes():
+            async for chunk in chunks:
                 if watcher.done():
                     break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -162,6 +232,33 @@ class EdgeProxy:
             with suppress(asyncio.CancelledError):
                 await watcher
             response.close()
+
+
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+
+
+async def _whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An event stream's bytes in runs of whole events, as the back-end wrote them.
+
+    QUIC cuts a stream into frames wherever a packet fills up, so the events arrive in arbitrary
+    pieces, and each piece relayed as it came would become one HTTP/1.1 chunk. Clients take
+    chunks for whole events: vLLM's benchmark client strips each chunk before it looks for
+    events, so an event cut right after its `data:` reaches it as `data:{...}`, a
+    JSONDecodeError, and it hangs up. The back-end wrote whole events: they leave here whole."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        if cut := _after_last_event(pending):
+            yield pending[:cut]
+            pending = pending[cut:]
+    if pending:  # a body that does not end on an event boundary: passed on as it is
+        yield pending
+
+
+def _after_last_event(data: bytes) -> int:
+    """The offset just past the last whole event in `data`; 0 if there is none."""
+    ends = [i + len(end) for end in _EVENT_ENDS if (i := data.rfind(end)) >= 0]
+    return max(ends, default=0)
 
 
 async def _bad_gateway(send: Send, message: str) -> None:
@@ -194,6 +291,13 @@ def main() -> int:
     parser.add_argument(
         "--backend-insecure", action="store_true", help="accept any back-end certificate"
     )
+    parser.add_argument(
+        "--backend-connections",
+        type=int,
+        default=DEFAULT_BACKEND_CONNECTIONS,
+        help="at most this many QUIC connections to the back-end: another opens when every one "
+        "is at the back-end's stream limit (default: %(default)s)",
+    )
     args = parser.parse_args()
     setup = prepare(parser, args)
     classifier = QosClassifier.from_deployment(setup.deployment)
@@ -204,8 +308,11 @@ def main() -> int:
             "and classify requests from when they reach it, not from their arrival here"
         )
     host, port = split_url(args.backend)
+    if args.backend_connections < 1:
+        parser.error("--backend-connections must be at least 1")
     verify: bool | str = args.backend_cacert or not args.backend_insecure
-    proxy = EdgeProxy(BackendPool(host, port, verify, setup.scheduler), edge_key)
+    pool = BackendPool(host, port, verify, setup.scheduler, args.backend_connections)
+    proxy = EdgeProxy(pool, edge_key)
     app = TagRequests(BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES), classifier.tag)
     server = DualServer(app, setup.listen, setup.http3(classifier.tag), log_level=args.log_level)
     asyncio.run(serve_forever(server))

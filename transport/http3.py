@@ -12,7 +12,10 @@ handling. This module adds exactly those:
 - lifespan: `Lifespan` runs the app's startup and shutdown, once, whoever serves it;
 - disconnects: a stream reset (or its response refused with STOP_SENDING) by the client, a
   stream dropped at its deadline by the scheduler, or a closed connection turns into
-  `http.disconnect` on the app's `receive()`.
+  `http.disconnect` on the app's `receive()`;
+- the end of a response: the `send()` of its last part returns once the client has acknowledged
+  all of it, FIN included, and raises `ResponseNotDelivered` if the stream is reset first, so
+  that an app never counts as delivered a response its client saw cut short.
 Each request is tagged once, when its HEADERS arrive, by `tag(headers, now)`: the tag's stream spec
 goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`.
 """
@@ -30,7 +33,8 @@ from urllib.parse import unquote
 
 from aioquic.asyncio import serve
 from aioquic.asyncio.server import QuicServer
-from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, encode_frame
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic.configuration import QuicConfiguration
@@ -49,6 +53,7 @@ from transport.connection import (
     adopt,
     widen_receive_buffer,
 )
+from transport.drain import Drain
 from transport.eloquent import EloquentFormatError, EloquentSender, SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import TAG, Tagger
@@ -65,6 +70,12 @@ ELOQUENT_REPEATS = 9
 """Earlier unacknowledged events per datagram beside the new one: seed 002's 10 a packet."""
 
 
+class ResponseNotDelivered(ConnectionError):
+    """The stream was reset (by the client, at its deadline, or with its connection) before the
+    client acknowledged the whole response. ASGI servers raise an OSError from `send()` to a
+    client that is gone; this is ours, raised where a response ends."""
+
+
 @dataclass
 class Http3Settings:
     certfile: str
@@ -72,10 +83,21 @@ class Http3Settings:
     scheduler: str = "rr"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_streams: int = 128
-    """Concurrent request streams per connection; QUIC's MAX_STREAMS holds the client to it."""
+    """Concurrent request streams per connection; QUIC's MAX_STREAMS holds the client to it.
+
+    128 is aioquic's own default (quic/connection.py), kept: aioquic raises the credit as streams
+    end, so it caps what one connection has open at once, not how many it ever sends. What it
+    bounds is one connection's buffers: each stream may hold a request body up to
+    `max_body_bytes` and `high_water` of response, 128 x (4 MiB + 256 KiB), about 0.5 GiB at
+    worst. A client that wants more in flight opens more connections (the edge's pool, the
+    replay's --connections); load past capacity is refused where it is counted (admission)."""
     high_water: int = 256 * 1024
     """Unacknowledged response bytes per stream past which the app's send() waits."""
     idle_timeout: float = 60.0
+    """aioquic's default, kept. Unlike HTTP/1.1 keep-alive there is no race to win: the effective
+    idle timeout is the smaller of the two endpoints' max_idle_timeout (RFC 9000 10.1), so both
+    know when it ends (ours and transport.client's are both 60 s). It is far above the longest
+    silence on a busy connection (a class deadline to the first token: 7 s at most)."""
     max_datagram_frame_size: int | None = 65536
     tag: Tagger | None = None
     """Classifies each request as it arrives; None leaves streams untagged."""
@@ -123,11 +145,17 @@ class Lifespan:
 
 
 class Http3Server:
-    """Serves `app` on UDP `host:port`. The caller runs the app's `Lifespan`."""
+    """Serves `app` on UDP `host:port`. The caller runs the app's `Lifespan`.
 
-    def __init__(self, app: ASGIApp, settings: Http3Settings) -> None:
+    `drain` is the server's stop (`transport.drain`): once it starts, `goaway()` tells every
+    connection, and each one made later, to open no more requests; those that still come are
+    rejected with H3_REQUEST_REJECTED, which tells their client that they were not processed and
+    may be retried elsewhere (RFC 9114 5.2), and counted with `drain.on_refuse`."""
+
+    def __init__(self, app: ASGIApp, settings: Http3Settings, drain: Drain | None = None) -> None:
         self.app = app
         self.settings = settings
+        self.drain = drain if drain is not None else Drain()
         self._server: QuicServer | None = None
         self.port: int | None = None
 
@@ -142,8 +170,20 @@ class Http3Server:
         self.port = self._server._transport.get_extra_info("sockname")[1]
         widen_receive_buffer(self._server._transport.get_extra_info("socket"))
 
+    def goaway(self) -> None:
+        """Send GOAWAY on every connection (connections made later get it once they speak
+        HTTP/3)."""
+        if self._server is not None:
+            for protocol in set(self._server._protocols.values()):
+                if isinstance(protocol, _Http3Protocol):
+                    protocol.goaway()
+
     def close(self) -> None:
         if self._server is not None:
+            # RFC 9114 5.2: a graceful shutdown closes with H3_NO_ERROR. aioquic's default code,
+            # 0, is QUIC's NO_ERROR, which HTTP/3 does not define as an application error code.
+            for protocol in set(self._server._protocols.values()):
+                protocol.close(error_code=ErrorCode.H3_NO_ERROR)
             self._server.close()
 
 
@@ -157,8 +197,13 @@ class _Http3Protocol(CoalescingProtocol):
         self.lanes: dict[int, _EloquentLane] = {}
         """Eloquent senders by stream; they outlive their request until everything is acked."""
         self.blocked_writers: set[_RequestStream] = set()
-        # aioquic has no setting for it; the Limit object has been there since 1.0.
-        quic._local_max_streams_bidi.value = self._settings.max_streams
+        self._next_request_id = 0
+        """The lowest client bidirectional stream id not yet seen: what GOAWAY would carry."""
+        self._goaway_id: int | None = None
+        # aioquic has no setting for it; the Limit object has been there since 1.0. `sent` too:
+        # aioquic sends MAX_STREAMS only once `value` outgrows what it believes it has sent.
+        limit = quic._local_max_streams_bidi
+        limit.value = limit.sent = self._settings.max_streams
 
     @property
     def quic(self) -> ScheduledQuicConnection:
@@ -168,6 +213,8 @@ class _Http3Protocol(CoalescingProtocol):
         if isinstance(event, ProtocolNegotiated):
             if event.alpn_protocol in H3_ALPN:
                 self._h3 = H3Connection(self._quic, enable_webtransport=True)
+                if self._server.drain.draining:
+                    self.goaway()
         elif isinstance(event, StreamReset | StreamExpired | StopSendingReceived):
             # STOP_SENDING: the client wants no more of the response (aioquic has already reset
             # our side of the stream), which is a disconnect as much as a reset is.
@@ -245,6 +292,10 @@ class _Http3Protocol(CoalescingProtocol):
             "server": self._transport.get_extra_info("sockname")[:2],
             "extensions": extensions,
         }
+        if self._goaway_id is not None and event.stream_id >= self._goaway_id:
+            self._reject(event.stream_id, scope)
+            return
+        self._next_request_id = max(self._next_request_id, event.stream_id + 4)
         request = _RequestStream(self, event.stream_id, scope)
         request.wants_eloquent = dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true")
         self._requests[event.stream_id] = request
@@ -258,6 +309,33 @@ class _Http3Protocol(CoalescingProtocol):
             addr = self._quic._network_paths[0].addr if self._quic._network_paths else ("", 0)
             return (str(addr[0]), int(addr[1]))
         return (str(peer[0]), int(peer[1]))
+
+    def goaway(self) -> None:
+        """Ask the client to open no more requests on this connection (RFC 9114 5.2); the
+        requests it has opened so far may finish.
+
+        aioquic 1.7 has no way to send GOAWAY (H3Connection only checks one that arrives, and
+        ignores its payload), so the frame goes onto our control stream here. Its id is the
+        lowest client-initiated bidirectional stream id this server has not seen HEADERS on:
+        every request below it is being processed; any at or above it is rejected, unprocessed.
+        """
+        if self._h3 is None or self._goaway_id is not None:
+            return  # not HTTP/3 yet (ProtocolNegotiated sends it then), or already sent
+        self._goaway_id = self._next_request_id
+        control = self._h3._local_control_stream_id
+        assert control is not None, "H3Connection opens its control stream when it is made"
+        frame = encode_frame(FrameType.GOAWAY, encode_uint_var(self._goaway_id))
+        self.quic.send_stream_data(control, frame)
+        self.transmit_soon()
+
+    def _reject(self, stream_id: int, scope: dict[str, Any]) -> None:
+        """A request opened after GOAWAY: not processed, so its client may retry it elsewhere."""
+        with contextlib.suppress(ValueError):  # its client already finished sending
+            self.quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
+        with contextlib.suppress(ValueError):
+            self.quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
+        self.transmit_soon()
+        self._server.drain.on_refuse(scope)
 
     def request_finished(self, stream_id: int) -> None:
         self._requests.pop(stream_id, None)
@@ -288,6 +366,8 @@ class _RequestStream:
     async def run(self, app: ASGIApp) -> None:
         try:
             await app(self.scope, self.receive, self.send)
+        except ResponseNotDelivered:
+            pass  # the client is gone: there is no one left to answer
         except Exception:
             logger.exception("ASGI app failed on stream %d", self.stream_id)
             if not self._started:
@@ -341,9 +421,12 @@ class _RequestStream:
         return await self._body.get()
 
     async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        ends = kind == "http.response.body" and not message.get("more_body", False)
+        if self._disconnected and ends:
+            raise ResponseNotDelivered(f"stream {self.stream_id} was reset")
         if self._disconnected or self._finished:
             return  # as uvicorn: the app learns of the disconnect from receive()
-        kind = message["type"]
         if kind == "http.response.start":
             status, headers = int(message["status"]), list(message.get("headers", []))
             content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
@@ -360,15 +443,27 @@ class _RequestStream:
             self._write(body, end_stream=not more)
             if self._lane is not None and not self._disconnected:
                 self._lane.body(body, ended=not more)
-            while more and self._buffered() > self.protocol._settings.high_water:
-                self._drained.clear()
-                self.protocol.blocked_writers.add(self)
-                try:
-                    await self._drained.wait()
-                finally:
-                    self.protocol.blocked_writers.discard(self)
-                if self._disconnected:
-                    return
+            if more:
+                high_water = self.protocol._settings.high_water
+                while self._buffered() > high_water and not self._disconnected:
+                    await self._acks()
+                return
+            # Buffered is not delivered: until the client acknowledges the FIN, a reset can still
+            # cut the response short.
+            stream = self.protocol.quic._streams.get(self.stream_id)
+            while stream is not None and not stream.sender.is_finished and not self._disconnected:
+                await self._acks()
+            if self._disconnected:
+                raise ResponseNotDelivered(f"stream {self.stream_id} was reset before its end")
+
+    async def _acks(self) -> None:
+        """Waits until ACKs drain this stream's buffer, or the client leaves."""
+        self._drained.clear()
+        self.protocol.blocked_writers.add(self)
+        try:
+            await self._drained.wait()
+        finally:
+            self.protocol.blocked_writers.discard(self)
 
     def _send_headers(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True

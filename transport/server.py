@@ -4,6 +4,11 @@ The app's lifespan runs once, here, not once per server. HTTP/1.1 answers carry 
 clients that can, move to HTTP/3 (RFC 7838). The HTTP/3 server tags each request at its HEADERS
 (`Http3Settings.tag`); the HTTP/1.1 server stamps when it began to read one, for the app's
 `transport.qos.TagRequests` to tag it with.
+
+A stop signal (SIGTERM, SIGINT) stops it gracefully (`DualServer.stop_gracefully`,
+`transport.drain`): new requests are refused (HTTP/1.1: 503 and `Connection: close`; HTTP/3:
+GOAWAY, then H3_REQUEST_REJECTED), those in flight get `Listen.drain_s` to finish, the rest are
+cut, and then the servers close and the app's lifespan ends (its engines stop).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from transport.drain import Drain, Draining
 from transport.http3 import ASGIApp, Http3Server, Http3Settings, Lifespan
 from transport.qos import ARRIVAL
 
@@ -66,6 +72,8 @@ class Listen:
     """None: no HTTP/1.1."""
     udp_port: int | None = 8443
     """None: no HTTP/3."""
+    drain_s: float = 30.0
+    """After a stop signal, how long requests in flight may go on before they are cut."""
 
 
 class DualServer:
@@ -78,7 +86,14 @@ class DualServer:
         h3: Http3Settings,
         log_level: str = "info",
         access_log: bool = True,
+        drain: Drain | None = None,
     ) -> None:
+        """`drain`: the stop state whose `Draining` gate the app has installed itself, where it
+        wants it; None wraps the app in a gate of its own, with a plain-text refusal."""
+        if drain is None:
+            drain = Drain()
+            app = Draining(app, drain)
+        self.drain = drain
         self.app = app
         self.listen = listen
         self.h3_settings = h3
@@ -95,7 +110,7 @@ class DualServer:
         await self._lifespan.startup()
         try:
             if self.listen.udp_port is not None:
-                self._h3 = Http3Server(self.app, self.h3_settings)
+                self._h3 = Http3Server(self.app, self.h3_settings, self.drain)
                 await self._h3.start(self.listen.host, self.listen.udp_port)
                 self.udp_port = self._h3.port
             if self.listen.tcp_port is not None:
@@ -114,12 +129,43 @@ class DualServer:
             lifespan="off",
             log_level=self.log_level,
             access_log=self.access_log,
+            # Idle keep-alive connections stay open longer than any client keeps one in its pool
+            # (aiohttp's TCPConnector: 15 s, its default keepalive_timeout; httpx, and so the
+            # openai client: 5 s, Limits.keepalive_expiry) and than the proxies that may pool
+            # them in front (nginx's upstream keepalive_timeout and an AWS ALB's idle timeout:
+            # 60 s; AWS asks targets for more), so that the client always closes first. With
+            # uvicorn's default, 5 s, the server closes connections aiohttp still pools: a
+            # request sent on one as it closes fails (ServerDisconnectedError; a POST is not
+            # retried). An idle connection costs a file descriptor and a few KiB, nothing more
+            # (limit_concurrency is off, below).
+            timeout_keep_alive=75,
+            # Connections the kernel has accepted while the loop is busy (uvicorn's default,
+            # named for the record; Linux caps it at net.core.somaxconn, 4096 since 5.4). It only
+            # matters for new connections: clients reuse theirs (aiohttp opens at most 100 per
+            # host, the openai client up to 1000). A burst past it loses SYNs, which clients
+            # resend after 1 s (TCP's initial RTO): rather queue them here, where the app
+            # answers at once, and under overload with a counted 429 (admission control).
+            backlog=2048,
+            # None: uvicorn's limit answers a bare text 503 from its own app, before ours, so such
+            # refusals would miss the request log and metrics, carry no x-request-id and no
+            # OpenAI error body; and it counts idle keep-alive connections as busy. Load is
+            # bounded where it is counted: admission control (429 overloaded), per-key limits
+            # (429 rate_limit_exceeded), and HTTP/3's per-connection stream limit.
+            limit_concurrency=None,
+            # Requests in flight had their drain time (`stop_gracefully`) before uvicorn is told
+            # to stop; this bounds only what came after: a probe admitted while draining, a
+            # response still being written. Past it, uvicorn cancels the task and closes the
+            # connection.
             timeout_graceful_shutdown=5,
             http=ArrivalStampingProtocol,
         )
         self._uvicorn = uvicorn.Server(config)
-        # Signals are ours (serve_forever), not uvicorn's.
-        self._uvicorn.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # Signals are ours (serve_forever), not uvicorn's. uvicorn 0.54 takes SIGINT and SIGTERM
+        # for the whole of serve() (capture_signals: signal.signal, which asyncio's wakeup fd
+        # does not prevent from reaching our handler too): it would stop accepting at the first
+        # signal, close connections after its own timeout, and raise the signal again when done,
+        # cutting the drain short. (Its install_signal_handlers, overridden here before, is gone.)
+        self._uvicorn.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve())
         while not self._uvicorn.started:
             if self._uvicorn_task.done():
@@ -127,6 +173,29 @@ class DualServer:
                 raise RuntimeError(f"HTTP/1.1 server did not start on port {config.port}")
             await asyncio.sleep(0.01)
         self.tcp_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    async def stop_gracefully(self, drain_s: float, hurry: asyncio.Event | None = None) -> None:
+        """Refuse new requests (HTTP/3: GOAWAY first), give those in flight `drain_s` to finish
+        (or until `hurry` is set), then cut the rest. The servers still run after it."""
+        self.drain.start()
+        if self._h3 is not None:
+            self._h3.goaway()
+        logger.info(
+            "stopping: refusing new requests, %d in flight may finish within %g s",
+            self.drain.in_flight,
+            drain_s,
+        )
+        waits = [asyncio.ensure_future(self.drain.wait(drain_s))]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+        if self.drain.in_flight:
+            cut = await self.drain.cut()
+            logger.warning("stopping: cut %d request(s) still in flight", cut)
+        else:
+            logger.info("stopping: every request in flight finished")
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._h3 is not None:
@@ -141,15 +210,21 @@ class DualServer:
 async def serve_forever(
     server: DualServer, on_ready: Callable[[DualServer], Awaitable[None] | None] | None = None
 ) -> None:
-    """Run until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
+    """Run until SIGINT or SIGTERM, then stop gracefully: drain for `server.listen.drain_s`
+    (a second signal cuts the drain short), close, and end the app's lifespan."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     async with server:
         if on_ready is not None:
             ready = on_ready(server)
             if ready is not None:
                 await ready
         await stop.wait()
+        await server.stop_gracefully(server.listen.drain_s, hurry)
         logger.info("shutting down")

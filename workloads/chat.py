@@ -39,7 +39,8 @@ class ChatResult:
     """From the request going out to the first chunk with choices."""
     itl_s: list[float] = field(default_factory=list)
     e2el_s: float | None = None
-    """From the request going out to the last chunk with choices (the last token)."""
+    """From the request going out to the last chunk with choices (the last token); for an
+    answer with an error status, to the end of that answer."""
     credit_wait_s: float = 0.0
     """HTTP/3: how long the request waited in the client for stream credit before it went out;
     not part of TTFT or E2EL."""
@@ -91,6 +92,7 @@ async def chat_h3(
     try:
         if response.status != 200:
             result.error = error_message((await response.read()).decode(errors="replace"))
+            result.e2el_s = time.perf_counter() - response.sent_at
             return result
         await read_chat_stream(response.iter_lines(), result, response.sent_at, on_token)
     except StreamError as exc:
@@ -115,6 +117,7 @@ async def chat_h1(
         result.take_headers(response.status, response.headers)
         if response.status != 200:
             result.error = error_message((await response.read()).decode(errors="replace"))
+            result.e2el_s = time.perf_counter() - start
             return result
         await read_chat_stream(_lines(response.content), result, start)
     return result

@@ -1,11 +1,11 @@
 """`python -m workloads.null_server`: OpenAI chat completions with no model behind them.
 
-Every answer streams `max_tokens` chunks, the first after `--first-token-ms` and the others
-`--token-gap-ms` apart, over HTTP/1.1 and HTTP/3 at once. Its timings are known, so it measures
-whatever sits in front of it: the load generator's own accuracy (a controlled delay must come out
-as that delay) and its headroom (how fast it can send before it falls behind), with no engine
-to share the cores with. `/v1/models` lists `--model`, so it can also stand in for a
-`vllm serve` upstream that comes and goes.
+Every answer streams `max_tokens` (or `max_completion_tokens`) chunks, the first after
+`--first-token-ms` and the others `--token-gap-ms` apart, over HTTP/1.1 and HTTP/3 at once. Its
+timings are known, so it measures whatever sits in front of it: the load generator's own accuracy
+(a controlled delay must come out as that delay) and its headroom (how fast it can send before it
+falls behind), with no engine to share the cores with. `/v1/models` lists `--model`, so it can
+also stand in for a `vllm serve` upstream that comes and goes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class NullModel:
             await _json(send, {"error": {"message": "not found", "code": 404}}, 404)
 
     async def _chat(self, request: dict[str, Any], send: Send) -> None:
-        tokens = int(request.get("max_tokens") or 16)
+        tokens = int(request.get("max_completion_tokens") or request.get("max_tokens") or 16)
         await send(
             {
                 "type": "http.response.start",

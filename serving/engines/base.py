@@ -21,6 +21,9 @@ class Sampling:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     """Generate exactly max_tokens (a vLLM extension; benchmarks use it)."""
+    priority: int = 0
+    """Lower is served first, where the engine schedules by priority (a vLLM extension, as in
+    its OpenAI server); the gateway sets the urgency of the request's class."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Engine(Protocol):
 
     def healthy(self) -> bool:
         """Cheap and local: whether new requests may be sent here."""
+        ...
+
+    async def recover(self) -> None:
+        """Bring a down engine back (the replica's supervisor calls it, with backoff); raises
+        if it cannot yet."""
         ...
 
     def unfinished(self) -> int:

@@ -1,13 +1,13 @@
 """An engine behind any OpenAI-compatible `vllm serve` URL: how the system reaches past one machine.
 
 It speaks through the official `openai` client, which already handles streaming, error bodies and
-timeouts. While the server cannot be reached the engine reports itself unhealthy, and a probe
-brings it back when the server answers again.
+timeouts. While the server cannot be reached the engine reports itself unhealthy; the replica's
+supervisor (`serving.replicas.Supervisor`, the same for every engine kind) then calls `recover`,
+which probes the server, with backoff until it answers again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -31,13 +31,10 @@ class WrongModel(Exception):
 
 
 class RemoteEngine:
-    def __init__(
-        self, config: ReplicaConfig, probe_interval_s: float = 2.0, read_timeout_s: float = 60.0
-    ) -> None:
+    def __init__(self, config: ReplicaConfig, read_timeout_s: float = 60.0) -> None:
         if config.url is None:
             raise ValueError(f"{config.name}: a remote engine needs a url")
         self.config = config
-        self.probe_interval_s = probe_interval_s
         self._client = openai.AsyncOpenAI(
             base_url=config.url,
             api_key="unused",  # vllm serve ignores it unless started with --api-key
@@ -47,17 +44,18 @@ class RemoteEngine:
         self._healthy = False
         self._open: set[str] = set()
         self._streams: dict[str, openai.AsyncStream] = {}
-        self._probe: asyncio.Task | None = None
-        self._closed = False
 
     async def start(self) -> None:
-        if await self._reachable():
-            self._healthy = True
-        else:
-            log.warning(
-                "%s: %s does not answer; will keep trying", self.config.name, self.config.url
-            )
-            self._mark_down()
+        # A server that is not up yet is an outage for the supervisor to ride out, not a reason
+        # to refuse to start; one that serves another model is a configuration error and raises.
+        self._healthy = await self._reachable()
+        if not self._healthy:
+            log.warning("%s: %s does not answer", self.config.name, self.config.url)
+
+    async def recover(self) -> None:
+        if not await self._reachable():
+            raise EngineUnavailable(f"{self.config.url} does not answer")
+        self._healthy = True
 
     async def _reachable(self) -> bool:
         try:
@@ -71,27 +69,6 @@ class RemoteEngine:
                 f"{self.config.served_name!r}; set served_name in models.yaml"
             )
         return True
-
-    def _mark_down(self) -> None:
-        self._healthy = False
-        if self._closed:
-            return
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.create_task(self._probe_until_up())
-
-    async def _probe_until_up(self) -> None:
-        last_problem = ""
-        while True:
-            await asyncio.sleep(self.probe_interval_s)
-            try:
-                if await self._reachable():
-                    log.info("%s: %s answers again", self.config.name, self.config.url)
-                    self._healthy = True
-                    return
-            except WrongModel as exc:  # it answers, but not with this model: say so, once
-                if str(exc) != last_problem:
-                    log.error("%s", exc)
-                    last_problem = str(exc)
 
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
         if not self._healthy:
@@ -122,7 +99,7 @@ class RemoteEngine:
                 f"{self.config.name}: no output from {self.config.url} in time"
             ) from exc
         except openai.APIConnectionError as exc:
-            self._mark_down()
+            self._healthy = False  # until the supervisor's probe finds it
             raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc}") from exc
         except openai.APIError as exc:
             raise EngineError(f"{self.config.name}: {_message(exc)}") from exc
@@ -141,7 +118,7 @@ class RemoteEngine:
         except openai.APITimeoutError:
             raise
         except openai.APIConnectionError as exc:
-            self._mark_down()
+            self._healthy = False  # until the supervisor's probe finds it
             raise EngineUnavailable(f"{self.config.name}: cannot reach {self.config.url}") from exc
         except openai.APIStatusError as exc:
             if exc.status_code == 503:  # busy or draining: it did not take the request
@@ -179,9 +156,7 @@ class RemoteEngine:
         return len(self._open)
 
     async def close(self) -> None:
-        self._closed = True
-        if self._probe is not None:
-            self._probe.cancel()
+        self._healthy = False
         await self._client.close()
 
 

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from config import ReplicaConfig
@@ -37,8 +38,10 @@ class VllmEngine:
         self._tokenizer = None
         self._chat_template: str | None = None
         self.max_model_len = 0
+        self._by_priority = config.engine_args.get("scheduling_policy") == "priority"
 
     async def start(self) -> None:
+        started = time.monotonic()
         if self.config.build is not None:
             await asyncio.to_thread(ensure_built, self.config.source, self.config.build)
         if self.config.device == "cpu":
@@ -60,7 +63,10 @@ class VllmEngine:
         async with _SPAWN_ENV.use(self._spawn_env(cores)):
             # Construction blocks while the engine processes start; a thread keeps the loop free,
             # so several engines start at once.
-            self._llm = await asyncio.to_thread(_start_on, cores, AsyncLLM.from_engine_args, args)
+            self._llm = await _finish_even_if_cancelled(
+                asyncio.to_thread(_start_on, cores, AsyncLLM.from_engine_args, args),
+                lambda llm: llm.shutdown(),
+            )
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len
         self._chat_template = (
@@ -68,7 +74,13 @@ class VllmEngine:
             or getattr(self._tokenizer, "chat_template", None)
             or self.config.fallback_chat_template
         )
-        log.info("%s: ready, context %d tokens", self.config.name, self.max_model_len)
+        log.info(
+            "%s: ready in %.1f s, context %d tokens, EngineCore pid %s",
+            self.config.name,
+            time.monotonic() - started,
+            self.max_model_len,
+            ",".join(map(str, _engine_core_pids(self._llm))) or "?",
+        )
 
     def _memory_args(self) -> dict[str, object]:
         if self.config.kv_cache_gib is not None:
@@ -194,7 +206,11 @@ class VllmEngine:
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
             async for out in llm.generate(
-                TokensPrompt(prompt_token_ids=ids), params, request.request_id
+                TokensPrompt(prompt_token_ids=ids),
+                params,
+                request.request_id,
+                # vLLM refuses a priority unless it schedules by priority.
+                priority=sampling.priority if self._by_priority else 0,
             ):
                 completion = out.outputs[0]
                 finish = completion.finish_reason if out.finished else None
@@ -226,7 +242,7 @@ class VllmEngine:
 
     def _running(self) -> AsyncLLM:
         if self._llm is None:
-            raise EngineUnavailable(f"{self.config.name}: not started")
+            raise EngineUnavailable(f"{self.config.name}: not running")
         if self._llm.errored:
             raise EngineUnavailable(f"{self.config.name}: the engine died")
         return self._llm
@@ -241,10 +257,19 @@ class VllmEngine:
     def unfinished(self) -> int:
         return self._llm.get_num_unfinished_requests() if self._llm is not None else 0
 
+    async def recover(self) -> None:
+        """Replace a dead engine with a new one on the same cores.
+
+        vLLM's monitor has already stopped the dead engine's processes by the time `errored`
+        is set; shutting the AsyncLLM down still closes its sockets and its output task, which
+        would otherwise linger until the garbage collector found them."""
+        await self.close()
+        await self.start()
+
     async def close(self) -> None:
-        if self._llm is not None:
-            await asyncio.to_thread(self._llm.shutdown)
-            self._llm = None
+        llm, self._llm = self._llm, None  # not healthy from here on, even while shutting down
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
 
 
 # Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
@@ -256,6 +281,27 @@ def _prompt_chars(request: Request) -> int:
     if isinstance(request.prompt, str):
         return len(request.prompt)
     return sum(len(m.content) for m in request.prompt)
+
+
+async def _finish_even_if_cancelled(work: Awaitable[R], undo: Callable[[R], object]) -> R:
+    """Await `work`; if the caller is cancelled meanwhile (the server stops while an engine
+    restarts), let it finish and `undo` its result in a thread before the cancellation goes on.
+    A thread that is starting engine processes cannot be stopped half-way, and what it starts
+    after nobody waits for it would outlive the server."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # a start that failed has nothing to undo
+            await asyncio.to_thread(undo, await task)
+        raise
+
+
+def _engine_core_pids(llm: AsyncLLM) -> list[int]:
+    """The engine's EngineCore processes, for the log (whoever must find one: an operator, the
+    chaos benchmark). vLLM keeps them on internals it does not promise, hence the care."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
 
 
 def _start_on(cores: set[int] | None, start: Callable[[T], R], arg: T) -> R:

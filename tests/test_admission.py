@@ -1,0 +1,232 @@
+"""Admission control: a request that no replica can start in time is refused at once.
+
+The rule is logic on plain views, tested here on hand-made ones; the simulator and the gateway
+both run it, tested on the simulator in virtual time and on a live server whose single replica
+the rule is told is saturated as soon as one request runs there (tests/conftest.py's
+`saturable` profile).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from conftest import PREMIUM_KEY, Server, wait_until
+
+from config import QosClass, Slo, load_deployment
+from config.schema import ProfileModel
+from router.admission import AdmitAll, DeadlineAdmission, Shed, class_budgets
+from router.env import RoutingEnv
+from router.sim import DEADLINE, OK, SHED, Simulator
+from router.view import ClusterView, ReplicaState
+from workloads import Request
+from workloads.arrivals import Poisson
+from workloads.generate import WorkloadSpec
+
+CLASSES = {
+    "real-time": QosClass(urgency=0, deadline_s=1.0, level="high"),
+    "free-tier": QosClass(urgency=3, deadline_s=2.0, level="low"),
+    "long": QosClass(urgency=5, deadline_s=7.0, level="low"),
+}
+FLAT = ProfileModel(prefill_s_per_token=0.001, step_s={1: 0.01, 4: 0.04})
+"""10 ms a step per request in the batch; 1 ms per prompt token."""
+
+
+def request(qos_class: str = "free-tier", arrival: float = 0.0, prompt: int = 100) -> Request:
+    return Request("r", arrival, "hi", 32, qos_class, prompt_tokens=prompt)
+
+
+def view(*running: tuple[int, int], available: bool = True) -> ClusterView:
+    """One replica per (requests in flight, output tokens they are owed)."""
+    return ClusterView(
+        tuple(ReplicaState(f"r{i}", "m", n, available, owed) for i, (n, owed) in enumerate(running))
+    )
+
+
+def rule(replicas: int = 1, max_batch: int = 4, device: str = "d") -> DeadlineAdmission:
+    return DeadlineAdmission([("m", device)] * replicas, {"m": FLAT}, CLASSES, 0.5, max_batch)
+
+
+def test_budgets_leave_the_most_urgent_class_its_whole_deadline() -> None:
+    budgets = class_budgets(CLASSES, lower_class_share=0.5)
+    assert budgets == {"real-time": 1.0, "free-tier": 0.5, "long": 0.5}
+
+
+def test_a_free_slot_costs_one_step_and_the_prefill() -> None:
+    # Two in flight of a batch of 4: the request waits for the step in progress (batch 2, 20 ms),
+    # then joins the next, at batch 3 (30 ms), after its 100-token prefill (100 ms).
+    assert rule().first_token_s(view((2, 64)), 0, 100) == pytest.approx(0.15)
+
+
+def test_a_full_batch_makes_the_request_wait_for_slots_to_free() -> None:
+    # 6 in flight, batch 4: 3 must finish first. They are owed 600 tokens, 100 each; a full batch
+    # finishes 4 / 100 requests a step, so 3 take 75 steps, after the one in progress and before
+    # its own: 77 x 40 ms + 100 ms.
+    assert rule().first_token_s(view((6, 600)), 0, 100) == pytest.approx(77 * 0.04 + 0.1)
+
+
+def test_busy_neighbours_on_the_device_slow_the_estimate() -> None:
+    shared = rule(replicas=2)
+    apart = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4)
+    busy = view((0, 0), (1, 10))
+    alone = apart.first_token_s(busy, 0, 100)
+    assert shared.first_token_s(busy, 0, 100) == pytest.approx(1.5 * alone)
+
+
+def test_lower_classes_are_shed_first() -> None:
+    # About 0.7 s to a first token: past the free tier's 0.25 s budget, within real time's 1 s.
+    loaded = view((10, 80))  # 7 must finish, owed 8 tokens each: 14 steps, between two more
+    estimate = rule().first_token_s(loaded, 0, 100)
+    assert estimate == pytest.approx(16 * 0.04 + 0.1)
+    shed = rule().check(request("free-tier"), loaded, now=0.0)
+    assert isinstance(shed, Shed) and shed.budget_s == 0.25 and shed.retry_after_s == 1
+    assert isinstance(rule().check(request("long"), loaded, now=0.0), Shed)
+    assert rule().check(request("real-time"), loaded, now=0.0) == loaded
+
+
+def test_a_request_let_in_may_go_only_where_it_is_in_time() -> None:
+    two = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4)
+    admitted = two.check(request(), view((400, 40_000), (0, 0)), now=0.0)
+    assert isinstance(admitted, ClusterView)
+    assert [r.available for r in admitted.replicas] == [False, True]
+    pinned_elsewhere = ClusterView(
+        (ReplicaState("r0", "m", 400, True, 40_000), ReplicaState("r1", "m", 0, False, 0))
+    )
+    assert isinstance(two.check(request(), pinned_elsewhere, now=0.0), Shed)
+
+
+def test_of_the_replicas_in_time_those_that_keep_pace_with_the_slo_are_preferred() -> None:
+    paced = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4, tpot_s=0.025)
+    # a: idle, steps of 10 ms; b: 3 in flight, so the request would join steps of 40 ms.
+    admitted = paced.check(request("real-time"), view((0, 0), (3, 30)), now=0.0)
+    assert isinstance(admitted, ClusterView)
+    assert [r.available for r in admitted.replicas] == [True, False]
+    # Where none keeps pace, those in time are still offered rather than shedding.
+    admitted = paced.check(request("real-time"), view((3, 30), (3, 30)), now=0.0)
+    assert isinstance(admitted, ClusterView)
+    assert [r.available for r in admitted.replicas] == [True, True]
+
+
+def test_late_first_tokens_teach_the_estimate_to_be_later() -> None:
+    live = rule()
+    idle = view((0, 0))
+    expected = live.expect(request(), idle, 0)
+    assert expected == pytest.approx(0.11)
+    for _ in range(200):  # the engine is twice as slow as its profile says
+        estimate = live.expect(request(), idle, 0)
+        assert estimate is not None
+        live.observe(0, estimate, 2 * estimate / live.scale[0])
+    assert live.scale[0] == pytest.approx(2.0, rel=0.01)
+    assert live.expect(request(), idle, 0) == pytest.approx(0.22, rel=0.01)
+    for _ in range(1000):  # a stalled engine cannot push the scale past its bound
+        live.observe(0, 0.001, 1000.0)
+    assert live.scale[0] == pytest.approx(10.0)
+
+
+def test_time_already_waited_counts_against_the_budget() -> None:
+    idle = view((0, 0))  # 110 ms to a first token; the free tier may wait 250 ms
+    assert rule().check(request(arrival=0.0), idle, now=0.1) == idle
+    assert isinstance(rule().check(request(arrival=0.0), idle, now=0.2), Shed)
+
+
+def test_retry_after_is_how_far_past_the_budget_the_queue_is() -> None:
+    shed = rule().check(request("free-tier"), view((40, 40 * 100)), now=0.0)
+    assert isinstance(shed, Shed)
+    assert shed.retry_after_s == int(shed.estimate_s - 0.25) + 1
+
+
+def test_the_simulator_ends_a_request_at_its_deadline_and_frees_its_slot() -> None:
+    profile = ProfileModel(prefill_s_per_token=0.0, step_s={1: 0.1})
+    sim = Simulator([("r0", "m", "d")], {"m": profile}, Slo(tpot_s=1.0), max_batch=1,
+                    deadlines={"free-tier": 2.0})  # fmt: skip
+    first = Request("first", 0.0, "", 30, "free-tier")  # holds the only slot for 3 s
+    late = Request("late", 0.0, "", 5, "free-tier")
+    sim.submit(first, 0)
+    sim.submit(late, 0)
+    assert sim.view().replicas[0].owed == 35
+    done = {f.request.request_id: f for f in sim.drain()}
+    assert done["late"].outcome == DEADLINE and done["late"].first_token is None
+    assert done["late"].last_token == pytest.approx(2.0)  # the first step boundary past 2 s
+    assert done["first"].outcome == OK and done["first"].output_tokens == 30
+    assert sim.view().replicas[0] == ReplicaState("r0", "m", 0, True, 0)
+
+
+def test_the_environment_never_asks_the_policy_about_a_shed_request() -> None:
+    deployment = load_deployment(name="paper-4gpu")
+    overload = WorkloadSpec(arrivals=Poisson(1000.0), classes={"free-tier": 1.0})
+    counts = {}
+    for name, admission in (("shed", None), ("all", AdmitAll())):
+        env = RoutingEnv(deployment, action="replica", admission=admission)
+        env.reset(seed=0, options={"workload": overload, "seed": 0, "requests": 3000})
+        steps, truncated = 0, False
+        while not truncated:
+            _, _, _, truncated, _ = env.step(env.view().least_loaded() or 0)
+            steps += 1
+        env.drain()
+        outcomes = [f.outcome for f in env.finished]
+        assert len(outcomes) == 3000 and steps == 3000 - outcomes.count(SHED)
+        counts[name] = {o: outcomes.count(o) for o in (OK, DEADLINE, SHED)}
+    assert counts["all"][SHED] == 0 and counts["all"][DEADLINE] > 0
+    # What is let in is sent where it makes its deadline (least-loaded, unchecked, sends a
+    # quarter of the requests where they wait it out).
+    assert counts["shed"][SHED] > 0 and counts["shed"][DEADLINE] == 0
+
+
+def _hold_one_stream(server: Server, started: threading.Event, done: threading.Event) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                started.set()
+            if done.is_set():
+                return
+
+
+def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(remote_server: Server) -> None:
+    replica = {"replica": next(iter(_replicas(remote_server))), "model": "tiny-s"}
+    started, done = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_one_stream, args=(remote_server, started, done))
+    holder.start()
+    try:
+        assert started.wait(60), "the long stream did not start"
+        unfinished = remote_server.metric("serving_engine_unfinished", **replica)
+        assert unfinished == 1
+        shed_before = remote_server.metric(
+            "serving_requests_total", qos_class="free-tier", model="none", outcome="shed"
+        )
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = httpx.post(remote_server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "overloaded"
+        assert int(r.headers["retry-after"]) >= 1
+        # Never dispatched: the engine holds only the long stream still.
+        assert remote_server.metric("serving_engine_unfinished", **replica) == unfinished
+        assert (
+            remote_server.metric(
+                "serving_requests_total", qos_class="free-tier", model="none", outcome="shed"
+            )
+            == shed_before + 1
+        )
+        served = httpx.post(
+            remote_server.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {PREMIUM_KEY}"},
+            timeout=60,
+        )
+        assert served.status_code == 200, served.text
+        assert served.headers["x-qos-class"] == "real-time"
+    finally:
+        done.set()
+        holder.join(120)
+    wait_until(
+        lambda: remote_server.metric("serving_engine_unfinished", **replica) == 0,
+        30,
+        "the long stream to end",
+    )
+
+
+def _replicas(server: Server) -> list[str]:
+    models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+    return [r for m in models for r in m.get("replicas", [])]
