@@ -98,9 +98,18 @@ class Server:
         assert self.request_log is not None, f"{self.name} keeps no request log"
         return [json.loads(line) for line in self.request_log.read_text().splitlines()]
 
-    def logged(self, request_id: str) -> dict:
-        """The one log line of a request, by its x-request-id."""
-        lines = [line for line in self.requests_logged() if line["request_id"] == request_id]
+    def logged(self, request_id: str, timeout_s: float = 10.0) -> dict:
+        """The one log line of a request, by its x-request-id.
+
+        Waits for it: a request is logged when it ends, and an answer ends as ok only once it
+        was delivered (over HTTP/3, once its client acknowledged the last byte), which the
+        client may learn of first: it has the answer before the server hears that it does."""
+
+        def of_request() -> list[dict]:
+            return [line for line in self.requests_logged() if line["request_id"] == request_id]
+
+        wait_until(lambda: bool(of_request()), timeout_s, f"the log line of {request_id}")
+        lines = of_request()
         assert len(lines) == 1, f"{len(lines)} log lines for request {request_id}"
         return lines[0]
 
