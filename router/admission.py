@@ -18,14 +18,26 @@ A request that is let in goes only to a replica that is expected to make it: the
 router the view with the others marked unavailable, so a policy that would send it to a replica
 where it can only wait out its deadline sends it to one of the model's other replicas, or to the
 least-loaded replica that can make it (the gateway's fallback for any unavailable choice). Where
-some of those are also expected to keep pace with the SLO (a step at the batch the request would
-join, within the SLO's time per token), only those are offered: under overload the first token
-in time is worth little if every later one misses the SLO.
+some of those are also expected to meet the SLO (the wait so far, the first token's and the
+request's `max_tokens` at the step of the batch it would join, within the SLO's time per token),
+only those are offered: under overload the first token in time is worth little if the answer as
+a whole misses the SLO. Where none is, a request of the most urgent class still goes to one in
+time, but one of a less urgent class is shed (`Shed.answer`): it would take engine time (and,
+on a shared device, slow its neighbours) for an answer that misses the SLO anyway. Only if the
+load is why, though: where no replica could meet the SLO even alone and idle, the request is
+let in as if the SLO were not checked.
 
 Live, the profile may be optimistic (it was measured on a quieter machine, and leaves out the
-front-end and the prefills of other requests): every first token teaches the rule how late it
-came against the estimate at dispatch, and each replica's estimates are scaled by a moving
-average of that ratio (`observe`). The simulator is the profile, so there the scale stays 1.
+front-end and the prefills of other requests). Two things are learned per replica, each as a
+moving average of how far what happened was from what was expected at dispatch:
+- every first token teaches the rule how late it came (`observe_first_token`), and so does every
+  request that got none by its deadline (a miss: later than the time it waited, by at least a
+  factor): a replica far slower than its profile gives no first tokens to learn from, only
+  misses;
+- every finished request teaches it the time per token it got against the step it joined
+  (`observe_pace`), which scales the step times that the SLO is checked against.
+Both fade back towards the profile while nothing is observed (`_forget`). The simulator is the
+profile, so there both scales stay 1.
 
 The estimate, for a replica with n requests in flight and a batch cap of B (vLLM's
 `max_num_seqs`): the request first waits for the iteration in progress, one step at batch
@@ -65,13 +77,29 @@ def assumed_output_tokens(request: Request) -> int:
 
 
 @dataclass(frozen=True)
+class Expected:
+    """What admission control expected of a request when it was dispatched."""
+
+    first_token_s: float
+    """Seconds from dispatch to its first token, as the profile has it (before what was learned
+    of the replica)."""
+    step_s: float
+    """Seconds per output token after that, as the profile has it: the step of the batch it
+    joined."""
+
+
+@dataclass(frozen=True)
 class Shed:
     """Why a request was refused at the door."""
 
     estimate_s: float
-    """The soonest first token any allowed replica was expected to give, from arrival."""
+    """The soonest first token any allowed replica was expected to give, from arrival; or, for
+    `answer`, the soonest last token."""
     budget_s: float
-    """How long the request's class may wait for it."""
+    """How long the request's class may wait for it; for `answer`, what the SLO allows."""
+    answer: bool = False
+    """Its first token would have come in time, but no replica was expected to give the whole
+    answer within the SLO (the less urgent classes only)."""
 
     @property
     def retry_after_s(self) -> int:
@@ -86,13 +114,20 @@ class Admission(Protocol):
         of `request.arrival`."""
         ...
 
-    def expect(self, request: Request, view: ClusterView, index: int) -> float | None:
-        """Seconds until the first token of `request`, sent to replica `index` now (None: no
-        estimate); what `observe` later compares with what happened."""
+    def expect(self, request: Request, view: ClusterView, index: int) -> Expected | None:
+        """What to expect of `request`, sent to replica `index` now (None: no estimate); what
+        the `observe_*` methods later compare with what happened."""
         ...
 
-    def observe(self, index: int, expected_s: float, actual_s: float) -> None:
-        """A first token came `actual_s` after dispatch to replica `index`, against `expected_s`."""
+    def observe_first_token(
+        self, index: int, expected: Expected, after_s: float, missed: bool = False
+    ) -> None:
+        """A request sent to replica `index` got its first token `after_s` after dispatch; or,
+        `missed`, had waited `after_s` without one when its deadline passed."""
+        ...
+
+    def observe_pace(self, index: int, expected: Expected, tpot_s: float) -> None:
+        """A request sent to replica `index` finished at `tpot_s` seconds per output token."""
         ...
 
 
@@ -102,10 +137,15 @@ class AdmitAll:
     def check(self, request: Request, view: ClusterView, now: float) -> ClusterView | Shed:
         return view
 
-    def expect(self, request: Request, view: ClusterView, index: int) -> float | None:
+    def expect(self, request: Request, view: ClusterView, index: int) -> Expected | None:
         return None
 
-    def observe(self, index: int, expected_s: float, actual_s: float) -> None:
+    def observe_first_token(
+        self, index: int, expected: Expected, after_s: float, missed: bool = False
+    ) -> None:
+        pass
+
+    def observe_pace(self, index: int, expected: Expected, tpot_s: float) -> None:
         pass
 
 
@@ -138,9 +178,14 @@ class DeadlineAdmission:
             for i, (_, device) in enumerate(replicas)
         ]
         self.budget_s = class_budgets(qos_classes, lower_class_share)
+        top = min(c.urgency for c in qos_classes.values())
+        self.most_urgent = {name for name, c in qos_classes.items() if c.urgency == top}
         self.tpot_s = tpot_s
         self.scale = [1.0] * len(replicas)
         """Per replica: how late first tokens have come against the profile's estimate."""
+        self.pace = [1.0] * len(replicas)
+        """Per replica: how slow its time per token has been against the profile's steps."""
+        self._forgotten_at: float | None = None
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> DeadlineAdmission:
@@ -160,6 +205,15 @@ class DeadlineAdmission:
 
     def first_token_s(self, view: ClusterView, index: int, prompt_tokens: int) -> float:
         """When a request sent to replica `index` now is expected to see its first token."""
+        return self._profiled_first_token_s(view, index, prompt_tokens) * self.scale[index]
+
+    def step_s(self, view: ClusterView, index: int) -> float:
+        """The step the request would join at replica `index`: its time per token there. Scaled
+        by what finished requests taught (`pace`), not by what first tokens did: their lateness
+        is mostly queueing, not slow steps."""
+        return self._profiled_step_s(view, index) * self.pace[index]
+
+    def _profiled_first_token_s(self, view: ClusterView, index: int, prompt_tokens: int) -> float:
         replica = view.replicas[index]
         steps, slots, ahead = self._steps[index], self.max_batch, replica.running
         in_progress = steps[min(ahead, slots)] if ahead else 0.0
@@ -168,11 +222,9 @@ class DeadlineAdmission:
             owed = replica.owed / ahead
             waves = (ahead - slots + 1) * owed / slots
         own = (waves + 1) * steps[min(ahead + 1, slots)] + prompt_tokens * self._prefill[index]
-        return (in_progress + own) * self._slowdown(view, index) * self.scale[index]
+        return (in_progress + own) * self._slowdown(view, index)
 
-    def step_s(self, view: ClusterView, index: int) -> float:
-        """The step the request would join at replica `index`: its time per token there. Not
-        scaled by what first tokens taught: their lateness is mostly queueing, not slow steps."""
+    def _profiled_step_s(self, view: ClusterView, index: int) -> float:
         steps, ahead = self._steps[index], view.replicas[index].running
         return steps[min(ahead + 1, self.max_batch)] * self._slowdown(view, index)
 
@@ -181,11 +233,13 @@ class DeadlineAdmission:
         return 1.0 + self.interference * busy
 
     def check(self, request: Request, view: ClusterView, now: float) -> ClusterView | Shed:
+        self._forget(now)
         budget = self.budget_s.get(request.qos_class)
         if budget is None or not any(r.available for r in view.replicas):
             return view  # unknown classes and unroutable requests are the gateway's to refuse
         prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
-        left = budget - (now - request.arrival)
+        waited = now - request.arrival
+        left = budget - waited
         estimates = [
             self.first_token_s(view, i, prompt) if r.available else math.inf
             for i, r in enumerate(view.replicas)
@@ -194,28 +248,94 @@ class DeadlineAdmission:
         if not any(in_time):
             return Shed(min(estimates) + budget - left, budget)
         if self.tpot_s is not None:
-            paced = [ok and self.step_s(view, i) <= self.tpot_s for i, ok in enumerate(in_time)]
-            if any(paced):
-                return view.only(paced)
+            # The SLO's time runs from arrival to the last token: the wait so far and the wait
+            # for the first token count against it as much as the pace after.
+            n = assumed_output_tokens(request)
+            answers = [
+                waited + e + (n - 1) * self.step_s(view, i) if ok else math.inf
+                for i, (e, ok) in enumerate(zip(estimates, in_time, strict=True))
+            ]
+            allowed = n * self.tpot_s
+            meets = [a <= allowed for a in answers]
+            if any(meets):
+                return view.only(meets)
+            # Shed for the SLO only what the load makes miss it: where no replica could meet it
+            # even alone and idle (a model slower than the SLO, a long prompt), the request is
+            # served as well as it can be, not refused at every hour of the day.
+            if request.qos_class not in self.most_urgent and any(
+                ok and self._alone_s(i, prompt, n) <= allowed for i, ok in enumerate(in_time)
+            ):
+                return Shed(min(answers), allowed, answer=True)
         return view.only(in_time)
 
-    def expect(self, request: Request, view: ClusterView, index: int) -> float | None:
-        return self.first_token_s(view, index, request.prompt_tokens or DEFAULT_PROMPT_TOKENS)
+    def _alone_s(self, index: int, prompt_tokens: int, tokens: int) -> float:
+        """From dispatch to the last of `tokens` at replica `index`, alone on its device."""
+        step = self._steps[index][1] * self.pace[index]
+        return prompt_tokens * self._prefill[index] + tokens * step
 
-    def observe(self, index: int, expected_s: float, actual_s: float) -> None:
-        if expected_s <= 0 or actual_s <= 0:
-            return
-        # A moving average of log(actual / expected), so that early and late count alike; the
-        # scale that produced `expected_s` is in it, so the scale settles where they agree.
-        ratio = min(max(actual_s / expected_s, 1 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
-        scale = self.scale[index] * ratio**CALIBRATION_WEIGHT
-        self.scale[index] = min(max(scale, 1 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
+    def _forget(self, now: float) -> None:
+        """Let what was learned fade towards the profile, with time constant FORGET_S.
+
+        Observations come only from the replicas requests are sent to, and a replica whose
+        scales grew in a bad minute may be sent none after it, so that nothing would ever tell
+        the rule it is fast again: it would serve no one for the rest of the server's life.
+        Fading, it is offered requests again after a while, and what they find sets its scales
+        anew. While requests come back from a replica (dozens a second under load), their
+        moving average outweighs the fading by far."""
+        if self._forgotten_at is not None and now > self._forgotten_at:
+            keep = math.exp(-(now - self._forgotten_at) / FORGET_S)
+            self.scale = [s**keep for s in self.scale]
+            self.pace = [p**keep for p in self.pace]
+        self._forgotten_at = now
+
+    def expect(self, request: Request, view: ClusterView, index: int) -> Expected | None:
+        prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
+        return Expected(
+            self._profiled_first_token_s(view, index, prompt), self._profiled_step_s(view, index)
+        )
+
+    def observe_first_token(
+        self, index: int, expected: Expected, after_s: float, missed: bool = False
+    ) -> None:
+        if missed:
+            # The first token would have come later still, by how much no one knows. Counted
+            # as at least MISSED_RATIO times the estimate, a miss always raises the scale: taken
+            # as `after_s`, misses would only bring the estimate up to the deadline and never
+            # past it, and the most urgent class, whose budget is its deadline, would go on
+            # being sent where it waits out its deadline.
+            lower = MISSED_RATIO * expected.first_token_s * self.scale[index]
+            after_s = max(after_s, lower)
+        self.scale[index] = _learned(self.scale[index], expected.first_token_s, after_s)
+
+    def observe_pace(self, index: int, expected: Expected, tpot_s: float) -> None:
+        self.pace[index] = _learned(self.pace[index], expected.step_s, tpot_s)
+
+
+def _learned(scale: float, profiled: float, actual: float) -> float:
+    """`scale`, a moving average of log(actual / profiled), with one more observation.
+
+    Against the profile's own estimate, not the scaled one a request was dispatched with: a
+    replica holds dozens of requests, dispatched under one scale and finishing together, and
+    corrections each made against the scale of its dispatch would all push the same way, far
+    past the mark (seen live: scales swinging between 0.1 and 10 within seconds)."""
+    if profiled <= 0 or actual <= 0:
+        return scale
+    ratio = min(max(actual / profiled, 1 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
+    return math.exp(
+        (1 - CALIBRATION_WEIGHT) * math.log(scale) + CALIBRATION_WEIGHT * math.log(ratio)
+    )
 
 
 CALIBRATION_WEIGHT = 0.05
-"""How much one first token moves a replica's scale (in log terms): about the last 20 count."""
+"""The weight of one observation in a replica's moving average: about the last 20 count."""
+MISSED_RATIO = 2.0
+"""A request that missed its deadline counts as having been at least this many times later than
+its estimate."""
+FORGET_S = 30.0
+"""What was learned of a replica fades towards its profile with this time constant (in log
+terms): to a third in 30 s without observations."""
 CALIBRATION_LIMIT = 10.0
-"""The scale, and any one ratio, stay within [1/10, 10]: a stalled or a cached request must not
+"""A scale, and any one ratio, stay within [1/10, 10]: a stalled or a cached request must not
 swing it far."""
 
 

@@ -23,7 +23,12 @@ from starlette.types import Receive, Scope, Send
 from serving import metrics as outcomes
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
 from serving.metrics import Metrics, RequestRecord
-from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    asked_for,
+)
 from transport.drain import Drain
 from transport.qos import QosRejected, RequestTag, tag_of
 from workloads import Message
@@ -139,6 +144,59 @@ def stopping_drain(metrics: Metrics) -> Drain:
         on_cut=on_cut,
         admit=lambda scope: scope["method"] in ("GET", "HEAD") and scope["path"] in PROBES,
     )
+
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ShedAtTheDoor:
+    """ASGI middleware: a request for generation that admission control would shed is answered
+    429 `overloaded` before the API's handler parses it (`Gateway.turn_away`). It reads the
+    body (already capped by `BodyLimit`) and hands it on to the app unchanged."""
+
+    def __init__(self, app: Any, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tag = tag_of(scope)
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+            or tag is None
+            or tag.qos_class is None
+        ):
+            await self.app(scope, receive, send)
+            return
+        body, ended = b"", False
+        while not ended:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body came
+                await self.app(scope, _replay(message, receive), send)
+                return
+            body += message.get("body", b"")
+            ended = not message.get("more_body", False)
+        try:
+            model, max_tokens = asked_for(json.loads(body))
+        except ValueError:  # not JSON: the handler says so (400)
+            model, max_tokens = AUTO, None
+        overloaded = self.gateway.turn_away(record_of(scope), model, max_tokens)
+        if overloaded is not None:
+            await _error_response(overloaded)(scope, receive, send)
+            return
+        whole = {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
+
+
+def _replay(first: dict[str, Any], receive: Receive) -> Receive:
+    """`receive`, giving `first` before anything else."""
+    pending: list[dict[str, Any]] = [first]
+
+    async def replayed() -> dict[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 def record_of(scope: Scope) -> RequestRecord:
@@ -386,13 +444,17 @@ def _error(status: int, message: str, code: str | None, param: str | None = None
     return JSONResponse(_error_body(status, message, code, param), status_code=status)
 
 
+def _error_response(exc: GatewayError) -> JSONResponse:
+    response = _error(exc.status, exc.message, exc.code, exc.param)
+    response.headers.update(exc.headers)
+    return response
+
+
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     # GatewayErrors are counted where they happen; these are refused before the gateway sees them.
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        response = _error(exc.status, exc.message, exc.code, exc.param)
-        response.headers.update(exc.headers)
-        return response
+        return _error_response(exc)
 
     @app.exception_handler(QosRejected)
     async def qos_rejected(raw: Request, exc: QosRejected) -> JSONResponse:

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from config import Deployment
 from router.policies import make_policy
-from serving.api import create_app, record_of, stopping_drain
+from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
 from serving.gateway import Gateway
 from serving.metrics import INVALID, Metrics
 from serving.replicas import ReplicaSet
@@ -48,6 +48,9 @@ def build_app(
 
     drain = stopping_drain(gateway.metrics)
     app = create_app(gateway, lifespan, drain)
+    # Before the handler parses the request: under overload most requests end here, and the
+    # less a refusal costs, the sooner it is answered.
+    app.add_middleware(ShedAtTheDoor, gateway=gateway)
     app.add_middleware(
         BodyLimit,
         max_bytes=max_body_bytes,

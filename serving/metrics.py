@@ -79,6 +79,13 @@ class RequestRecord:
     prompt_tokens: int = 0
     tokens: int = 0
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first; None with fewer than two tokens."""
+        if self.first_token is None or self.last_token is None or self.tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.tokens - 1)
+
     def line(self, outcome: str, slo_met: bool) -> str:
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else round(end - start, 6)
@@ -221,8 +228,7 @@ class Metrics:
             self.ttft.labels(cls, model).observe(record.first_token - record.arrival)
             self.e2e.labels(cls, model).observe(record.last_token - record.arrival)
             self.tokens.labels(model).inc(record.tokens)
-            if record.tokens > 1:
-                tpot = (record.last_token - record.first_token) / (record.tokens - 1)
+            if (tpot := record.tpot_s) is not None:
                 self.tpot.labels(cls, model).observe(tpot)
             if slo_met:
                 self.slo_met.labels(cls, model).inc()

@@ -18,6 +18,21 @@ from workloads import Message
 MAX_TOKENS_LIMIT = 1_000_000
 
 
+def asked_for(body: object) -> tuple[str, int | None]:
+    """The model and the answer's length (max_tokens) that a body asks for, read without
+    validating it, as these models would read them: what admission control needs to shed a
+    request before it is parsed (`serving.api.ShedAtTheDoor`). Values of the wrong type read as
+    absent; validation refuses them later, if the request gets that far."""
+    if not isinstance(body, dict):
+        return "auto", None
+    model = body.get("model", "auto")
+    limits = (body.get("max_tokens"), body.get("max_completion_tokens"))
+    max_tokens = next(
+        (n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n >= 1), None
+    )
+    return model if isinstance(model, str) else "auto", max_tokens
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str

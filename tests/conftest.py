@@ -309,13 +309,17 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
         env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )
     gateway_port = free_port()
+    remote_log = session_dir / "remote-requests.jsonl"
     servers["remote"] = launch(
         "remote",
-        serving_command(config, "remote_test", gateway_port, "--h3-port", "0"),
+        serving_command(
+            config, "remote_test", gateway_port, "--h3-port", "0", "--request-log", str(remote_log)
+        ),  # fmt: skip
         gateway_port,
         "/v1/models",
         session_dir,
     )
+    servers["remote"].request_log = remote_log
     yield servers
     for server in servers.values():
         server.stop()

@@ -8,7 +8,11 @@ the rule is told is saturated as soon as one request runs there (tests/conftest.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -16,10 +20,15 @@ from conftest import PREMIUM_KEY, Server, wait_until
 
 from config import QosClass, Slo, load_deployment
 from config.schema import ProfileModel
-from router.admission import AdmitAll, DeadlineAdmission, Shed, class_budgets
+from router.admission import AdmitAll, DeadlineAdmission, Expected, Shed, class_budgets
 from router.env import RoutingEnv
+from router.policies import make_policy
 from router.sim import DEADLINE, OK, SHED, Simulator
 from router.view import ClusterView, ReplicaState
+from serving.engines.base import Sampling, TokenDelta
+from serving.gateway import DeadlineExceeded, Gateway, GatewayError, Overloaded
+from serving.metrics import Metrics
+from serving.replicas import Replica, ReplicaSet
 from workloads import Request
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
@@ -96,32 +105,154 @@ def test_a_request_let_in_may_go_only_where_it_is_in_time() -> None:
     assert isinstance(two.check(request(), pinned_elsewhere, now=0.0), Shed)
 
 
-def test_of_the_replicas_in_time_those_that_keep_pace_with_the_slo_are_preferred() -> None:
+def test_of_the_replicas_in_time_those_expected_to_meet_the_slo_are_preferred() -> None:
     paced = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4, tpot_s=0.025)
     # a: idle, steps of 10 ms; b: 3 in flight, so the request would join steps of 40 ms.
     admitted = paced.check(request("real-time"), view((0, 0), (3, 30)), now=0.0)
     assert isinstance(admitted, ClusterView)
     assert [r.available for r in admitted.replicas] == [True, False]
-    # Where none keeps pace, those in time are still offered rather than shedding.
+    # Where none is expected to meet it, real time still goes where it is in time, but a less
+    # urgent class is shed: an answer that misses the SLO anyway would only take engine time.
     admitted = paced.check(request("real-time"), view((3, 30), (3, 30)), now=0.0)
     assert isinstance(admitted, ClusterView)
     assert [r.available for r in admitted.replicas] == [True, True]
+    # Its first token in 0.17 s is within its 0.5 s budget; its answer in 0.17 + 31 x 40 ms is
+    # not within 32 x 25 ms.
+    shed = paced.check(request("free-tier"), view((3, 30), (3, 30)), now=0.0)
+    assert isinstance(shed, Shed) and shed.answer
+    assert (shed.estimate_s, shed.budget_s) == pytest.approx((1.41, 0.8))
+
+
+def test_the_wait_so_far_counts_against_the_slo() -> None:
+    paced = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4, tpot_s=0.025)
+    # 32 tokens at 25 ms: 0.8 s from arrival to the last. a (idle) needs 0.11 + 31 x 10 ms =
+    # 0.42 s, b (one in flight) 0.13 + 31 x 20 ms = 0.75 s: both fit, until 0.3 s have passed.
+    loaded = view((0, 0), (1, 10))
+    fresh = paced.check(request("real-time"), loaded, now=0.0)
+    assert isinstance(fresh, ClusterView)
+    assert [r.available for r in fresh.replicas] == [True, True]
+    waited = paced.check(request("real-time"), loaded, now=0.3)
+    assert isinstance(waited, ClusterView)
+    assert [r.available for r in waited.replicas] == [True, False]
 
 
 def test_late_first_tokens_teach_the_estimate_to_be_later() -> None:
     live = rule()
     idle = view((0, 0))
     expected = live.expect(request(), idle, 0)
-    assert expected == pytest.approx(0.11)
+    assert expected is not None and expected.first_token_s == pytest.approx(0.11)
     for _ in range(200):  # the engine is twice as slow as its profile says
         estimate = live.expect(request(), idle, 0)
         assert estimate is not None
-        live.observe(0, estimate, 2 * estimate / live.scale[0])
+        live.observe_first_token(0, estimate, 2 * estimate.first_token_s)
     assert live.scale[0] == pytest.approx(2.0, rel=0.01)
-    assert live.expect(request(), idle, 0) == pytest.approx(0.22, rel=0.01)
+    assert live.first_token_s(idle, 0, 100) == pytest.approx(0.22, rel=0.01)
+    stalled = Expected(first_token_s=0.001, step_s=0.01)
     for _ in range(1000):  # a stalled engine cannot push the scale past its bound
-        live.observe(0, 0.001, 1000.0)
+        live.observe_first_token(0, stalled, 1000.0)
     assert live.scale[0] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("qos_class", ["free-tier", "real-time"])
+def test_requests_that_wait_out_their_deadline_teach_the_rule_to_shed(qos_class: str) -> None:
+    # A replica far slower than its profile: nothing let in gets a first token by the deadline,
+    # and each miss reports only how long it waited. That alone must make the rule shed, for
+    # real time too, whose budget is its whole deadline.
+    live = rule()
+    idle = view((0, 0))
+    deadline = CLASSES[qos_class].deadline_s
+    misses = 0
+    while not isinstance(live.check(request(qos_class), idle, now=0.0), Shed):
+        expected = live.expect(request(qos_class), idle, 0)
+        assert expected is not None
+        live.observe_first_token(0, expected, deadline, missed=True)
+        misses += 1
+        assert misses < 100, "the rule still lets requests in after 100 misses"
+
+
+class _Stalled:
+    """An engine that takes every request and never answers: a replica far slower than its
+    profile (a unit-test stand-in; the live path is the overload benchmark's)."""
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        await asyncio.Future()  # never done: cancelled when the gateway gives up
+        yield TokenDelta("", 0, 0)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return True
+
+    async def recover(self) -> None:
+        pass
+
+    def unfinished(self) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_gateway_whose_replicas_never_answer_learns_to_shed() -> None:
+    # The embedded deployment, with a real-time deadline of 20 ms (its profile expects about
+    # 10 ms to a first token on an idle replica) and engines that never give one.
+    embedded = load_deployment(name="embedded")
+    classes = dict(embedded.qos_classes)
+    classes["real-time"] = classes["real-time"].model_copy(update={"deadline_s": 0.02})
+    deployment = replace(embedded, qos_classes=classes)
+    replicas = ReplicaSet([Replica(c, _Stalled()) for c in deployment.replicas])
+    gateway = Gateway(deployment, replicas, make_policy(deployment, "least-load"),
+                      Metrics(replicas))  # fmt: skip
+    misses = 0
+    while True:
+        rt = Request(f"r{misses}", time.monotonic(), "hi", 8, "real-time")
+        with pytest.raises(GatewayError) as refused:
+            await gateway.start(rt, Sampling())
+        if isinstance(refused.value, Overloaded):
+            break
+        assert isinstance(refused.value, DeadlineExceeded)
+        misses += 1
+        assert misses < 300, "still dispatching after 300 misses"
+    assert all(r.running == 0 for r in replicas)
+    count = gateway.metrics.requests.labels
+    assert count("real-time", "none", "shed")._value.get() == 1
+    assert sum(count("real-time", r.model, "deadline")._value.get() for r in replicas) == misses
+
+
+def test_a_replica_that_was_slow_is_tried_again_after_a_while() -> None:
+    # Learned to be 10 times slower than its profile: every free-tier request is shed. With
+    # nothing more to learn from (none is sent there), that fades, and a minute later one
+    # is let in again.
+    live = rule()
+    idle = view((0, 0))
+    expected = live.expect(request(), idle, 0)
+    assert expected is not None
+    for _ in range(200):
+        live.observe_first_token(0, expected, 10 * expected.first_token_s)
+    assert isinstance(live.check(request(arrival=0.0), idle, now=0.0), Shed)
+    assert isinstance(live.check(request(arrival=10.0), idle, now=10.0), Shed)
+    assert live.check(request(arrival=60.0), idle, now=60.0) == idle
+
+
+def test_a_slow_pace_moves_requests_to_replicas_that_keep_the_slo() -> None:
+    paced = DeadlineAdmission([("m", "a"), ("m", "b")], {"m": FLAT}, CLASSES, 0.5, 4, tpot_s=0.025)
+    idle = view((0, 0), (0, 0))
+    admitted = paced.check(request("real-time"), idle, now=0.0)
+    assert isinstance(admitted, ClusterView)
+    assert [r.available for r in admitted.replicas] == [True, True]
+    for _ in range(100):  # a's requests come at 30 ms a token, three times its 10 ms steps
+        expected = paced.expect(request("real-time"), idle, 0)
+        assert expected is not None
+        paced.observe_pace(0, expected, 0.03)
+    assert paced.pace[0] == pytest.approx(3.0, rel=0.01)
+    admitted = paced.check(request("real-time"), idle, now=0.0)
+    assert isinstance(admitted, ClusterView)
+    assert [r.available for r in admitted.replicas] == [False, True]
+    assert paced.scale == [1.0, 1.0]  # the first-token estimate is a separate lesson
 
 
 def test_time_already_waited_counts_against_the_budget() -> None:
@@ -174,7 +305,9 @@ def test_the_environment_never_asks_the_policy_about_a_shed_request() -> None:
 
 
 def _hold_one_stream(server: Server, started: threading.Event, done: threading.Event) -> None:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400,
+    # Long enough to outlast the test by far (about 10 s on vllm serve here), short of the
+    # context (2,048).
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1800,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
@@ -209,6 +342,17 @@ def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(remote_server:
             )
             == shed_before + 1
         )
+        # Shed at the door: never taken up by the API's handler (no queue time, which ends
+        # there), and logged once, as counted.
+        line = remote_server.logged(r.headers["x-request-id"])
+        assert (line["outcome"], line["queue_s"], line["model"]) == ("shed", None, None)
+        pinned = httpx.post(
+            remote_server.url + "/v1/chat/completions",
+            json={**body, "model": "tiny-s"},
+            timeout=30,
+        )
+        assert pinned.status_code == 429, pinned.text
+        assert remote_server.logged(pinned.headers["x-request-id"])["model"] == "tiny-s"
         served = httpx.post(
             remote_server.url + "/v1/chat/completions",
             json=body,
