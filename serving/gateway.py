@@ -201,7 +201,7 @@ class Gateway:
         request (`serving.api.ShedAtTheDoor`), with what `start` would decide from its class,
         arrival, model and length. Under overload most requests end here, and a refusal that
         never reaches the handler (pydantic, the exception handlers, the tasks that watch the
-        client) costs the server about half the CPU: 290 against 570 us a request, measured on
+        client) costs the server about half the CPU: 300 against 570 us a request, measured on
         this 2-core machine. That is what keeps shed answers quick, and leaves the front-end's
         core to the requests it lets in.
 

@@ -183,6 +183,11 @@ def serving_command(config: Path, deployment: str, port: int, *extra: str) -> li
             "--port", str(port), *extra]  # fmt: skip
 
 
+def remote_placement(port: int) -> list[dict]:
+    """A placement of one replica: tiny-s served by the OpenAI-compatible server at `port`."""
+    return [{"model": "tiny-s", "url": f"http://127.0.0.1:{port}/v1", "served_name": "tiny-s"}]
+
+
 def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
     """The shipped models.yaml for tests, written where they can point --config at it.
 
@@ -241,13 +246,7 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     config = test_config(
         session_dir,
         remote_test=(
-            [
-                {
-                    "model": "tiny-s",
-                    "url": f"http://127.0.0.1:{upstream_port}/v1",
-                    "served_name": "tiny-s",
-                }
-            ],
+            remote_placement(upstream_port),
             {
                 "placement": "remote_test",
                 "policy": {"name": "quality-threshold"},

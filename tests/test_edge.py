@@ -27,6 +27,7 @@ from tests.conftest import (
     free_port,
     free_udp_port,
     launch,
+    remote_placement,
     serving_command,
     wait_until,
 )
@@ -193,13 +194,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server
     config = write_test_config(
         work,
         edge_null=(
-            [
-                {
-                    "model": "tiny-s",
-                    "url": f"http://127.0.0.1:{null_port}/v1",
-                    "served_name": "tiny-s",
-                }
-            ],
+            remote_placement(null_port),
             {"placement": "edge_null", "policy": {"name": "quality-threshold"}},
         ),
     )

@@ -29,6 +29,7 @@ from tests.conftest import (
     free_port,
     launch,
     processes_under,
+    remote_placement,
     serving_command,
     thread_cores,
     wait_until,
@@ -122,13 +123,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
             },
         ),
         remote_null=(
-            [
-                {
-                    "model": "tiny-s",
-                    "url": f"http://127.0.0.1:{null_port}/v1",
-                    "served_name": "tiny-s",
-                }
-            ],
+            remote_placement(null_port),
             {"placement": "remote_null", "policy": {"name": "quality-threshold"}},
         ),
     )
