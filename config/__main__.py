@@ -16,7 +16,8 @@ def main() -> int:
         spec = load(path)
         for name in spec.deployments:
             dep = resolve(spec, name, path.parent)
-            print(f"{name}: {len(dep.replicas)} replicas, policy {dep.policy.name}")
+            engines = ", simulated engines" if dep.simulation else ""
+            print(f"{name}: {len(dep.replicas)} replicas, policy {dep.policy.name}{engines}")
             for replica in dep.replicas:
                 print(f"  {replica.name:28} {replica.source}")
     except ConfigError as exc:

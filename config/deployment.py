@@ -10,11 +10,14 @@ from pydantic import ValidationError
 
 from config.schema import (
     AdmissionSpec,
+    Faults,
     Limits,
     ModelsFile,
     PolicySpec,
     Profile,
+    ProfileModel,
     QosClass,
+    SimulationSpec,
     Slo,
     Tier,
     TinyBuild,
@@ -49,6 +52,19 @@ class ReplicaConfig:
 
 
 @dataclass(frozen=True)
+class Simulation:
+    """A simulated deployment's engines, resolved (`config.schema.SimulationSpec`)."""
+
+    tokenizer_source: str | None
+    """Where the tokenizer that counts prompts is (None: each replica's own model's)."""
+    tokenizer_build: TinyBuild | None
+    """How to build it first, for a local tiny model."""
+    time_scale: float
+    """Already applied to the deployment's profile."""
+    faults: Faults | None
+
+
+@dataclass(frozen=True)
 class Deployment:
     name: str
     replicas: list[ReplicaConfig]
@@ -66,6 +82,8 @@ class Deployment:
     profile: Profile | None
     admission: AdmissionSpec
     """Resolved: its rule is always set."""
+    simulation: Simulation | None = None
+    """Set where the engines are simulated."""
 
     @property
     def models(self) -> list[str]:
@@ -134,6 +152,7 @@ def resolve(
     dep = spec.deployments[name]
     replicas = _replicas(spec, dep.placement, dep.engine_args, Path(base_dir))
     models = list(dict.fromkeys(r.model for r in replicas))
+    simulation = _simulation(spec, name, replicas, Path(base_dir))
     return Deployment(
         name=name,
         replicas=replicas,
@@ -149,8 +168,50 @@ def resolve(
             if (k := key.resolve())
         },
         policy=_policy(dep.policy, Path(base_dir)),
-        profile=spec.profiles[dep.profile] if dep.profile else None,
+        profile=_profile(spec, dep.profile, simulation),
         admission=_admission(name, dep.admission, dep.profile),
+        simulation=simulation,
+    )
+
+
+def _simulation(
+    spec: ModelsFile, name: str, replicas: list[ReplicaConfig], base_dir: Path
+) -> Simulation | None:
+    dep = spec.deployments[name]
+    if dep.engine != "simulated":
+        return None
+    sim = dep.simulation or SimulationSpec()
+    if sim.faults is not None and sim.faults.replicas is not None:
+        names = [r.name for r in replicas]
+        if unknown := [r for r in sim.faults.replicas if r not in names]:
+            raise ConfigError(
+                f"deployments.{name}.simulation.faults.replicas: unknown {', '.join(unknown)} "
+                f"(known: {', '.join(names)})"
+            )
+    source = build = None
+    if sim.tokenizer is not None:
+        model = spec.models[sim.tokenizer]
+        source, build = _source(model.source, model.build, base_dir), model.build
+    return Simulation(source, build, sim.time_scale, sim.faults)
+
+
+def _profile(spec: ModelsFile, name: str | None, simulation: Simulation | None) -> Profile | None:
+    """The deployment's profile; a simulated one's with its times scaled, so that the engines,
+    admission control and the simulator all keep the same time."""
+    if name is None:
+        return None
+    profile, factor = spec.profiles[name], simulation.time_scale if simulation else 1.0
+    if factor == 1.0:
+        return profile
+    models = {
+        name: ProfileModel(
+            prefill_s_per_token=m.prefill_s_per_token * factor,
+            step_s={b: t * factor for b, t in m.step_s.items()},
+        )
+        for name, m in profile.models.items()
+    }
+    return profile.model_copy(
+        update={"models": models, "how": f"{profile.how} Times scaled by {factor:g}."}
     )
 
 
@@ -181,9 +242,7 @@ def _replicas(
     replicas: list[ReplicaConfig] = []
     for entry in spec.placements[placement]:
         model = spec.models[entry.model]
-        source = model.source
-        if model.build is not None or source.startswith((".", "/")):
-            source = str((base_dir / source).resolve())
+        source = _source(model.source, model.build, base_dir)
         locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
         for device, url in locations:
             where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]
@@ -208,6 +267,13 @@ def _replicas(
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"placements.{placement}: replicas repeat: {', '.join(dupes)}")
     return replicas
+
+
+def _source(source: str, build: TinyBuild | None, base_dir: Path) -> str:
+    """A model's source: a hub id as it is, a local directory made absolute."""
+    if build is not None or source.startswith((".", "/")):
+        return str((base_dir / source).resolve())
+    return source
 
 
 def _normalised_quality(spec: ModelsFile, models: list[str]) -> dict[str, dict[str, float]]:

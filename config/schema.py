@@ -198,9 +198,43 @@ class AdmissionSpec(Strict):
     deadline (and never past its own), so that under overload the lower classes are shed first."""
 
 
+class Faults(Strict):
+    """Failures a simulated deployment injects, for chaos runs; none unless a deployment names
+    them, and only a simulated one may."""
+
+    replicas: list[str] | None = None
+    """Names of the replicas that fail ("cuda:0/opt-125m"); default: all."""
+    fail_after_s: PositiveFloat | None = None
+    """The engine dies this long after the server started (once): what it holds ends as engine
+    errors, and its supervisor brings it back."""
+    restart_s: Annotated[float, Field(ge=0)] = 5.0
+    """How long bringing a dead engine back takes."""
+    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Share of requests that fail part-way with an engine error."""
+    seed: int = 0
+
+
+class SimulationSpec(Strict):
+    """How a simulated deployment's engines behave (`serving.engines.simulated`)."""
+
+    tokenizer: str | None = None
+    """A model whose tokenizer counts the prompts (one with a build is built locally on first
+    use); default: each replica's own model's."""
+    time_scale: PositiveFloat = 1.0
+    """Every time of the latency profile is multiplied by it, for the engines and for admission
+    control alike: 0.01 makes engines a hundred times faster than the profile."""
+    faults: Faults | None = None
+
+
 class DeploymentSpec(Strict):
     placement: str
     profile: str | None = None
+    engine: Literal["simulated"] | None = None
+    """simulated: every replica is a simulated engine that keeps the profile's time with no model
+    behind it (nothing touches a device); default: vLLM on the placement's devices, or a remote
+    server at its url."""
+    simulation: SimulationSpec | None = None
+    """Only with engine: simulated."""
     policy: PolicySpec = PolicySpec(name="quality-threshold")
     admission: AdmissionSpec = AdmissionSpec()
     engine_args: dict[str, object] = {}
@@ -258,7 +292,25 @@ class ModelsFile(Strict):
         for name, dep in self.deployments.items():
             need("placement", dep.placement, self.placements, f"deployments.{name}.placement")
             need("profile", dep.profile, self.profiles, f"deployments.{name}.profile")
+            errors += self._simulated(name, dep)
         need("deployment", self.default_deployment, self.deployments, "default_deployment")
         if errors:
             raise ValueError("; ".join(errors))
         return self
+
+    def _simulated(self, name: str, dep: DeploymentSpec) -> list[str]:
+        where = f"deployments.{name}"
+        if dep.engine != "simulated":
+            # Faults live only here, so that no flag or stray key can inject them elsewhere.
+            return [f"{where}.simulation: only a deployment with engine: simulated takes it"] * (
+                dep.simulation is not None
+            )
+        errors = []
+        if dep.profile is None:
+            errors.append(f"{where}: engine: simulated needs a latency profile (profile: ...)")
+        if any(e.url is not None for e in self.placements.get(dep.placement, [])):
+            errors.append(f"{where}: engine: simulated cannot simulate a remote (url) replica")
+        simulation = dep.simulation or SimulationSpec()
+        if simulation.tokenizer is not None and simulation.tokenizer not in self.models:
+            errors.append(f"{where}.simulation.tokenizer: unknown model {simulation.tokenizer!r}")
+        return errors

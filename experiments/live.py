@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port(kind: int) -> int:
+def free_port(kind: int) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,11 +46,13 @@ def server(
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     ready_path: str = "/healthz",
+    cpus: set[int] | None = None,
 ) -> Iterator[LiveServer]:
     """`python -m serving` on free ports, yielded once `ready_path` answers 200 (/readyz: every
     replica up), and stopped with its engines (SIGTERM to its process group, then SIGKILL) on the
-    way out. Its log goes to `log`; `extra` flags and `env` variables are added to its own."""
-    port, h3_port = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_DGRAM)
+    way out. Its log goes to `log`; `extra` flags and `env` variables are added to its own, and
+    `cpus` pins it (and its engines) to those CPUs."""
+    port, h3_port = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_DGRAM)
     command = [sys.executable, "-m", "serving", "--port", str(port), "--h3-port", str(h3_port),
                *(["--deployment", deployment] if deployment else []), *extra]  # fmt: skip
     if policy:
@@ -64,6 +66,7 @@ def server(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -115,11 +118,63 @@ def metric(url: str, name: str) -> float:
     )
 
 
-def replay(url: str, out: Path, *flags: str) -> dict:
-    """`python -m workloads.replay` over HTTP/1.1 against `url`; returns its JSON record."""
-    command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
-               "--out", str(out), "--no-progress", *flags]  # fmt: skip
+def replay(url: str, out: Path, *flags: str, proto: str = "h1") -> dict:
+    """`python -m workloads.replay` against `url` (HTTP/1.1, or HTTP/3 trusting the server's
+    certificate); returns its JSON record."""
+    trust = ["--cacert", str(ROOT / ".certs" / "cert.pem")] if proto == "h3" else []
+    command = [sys.executable, "-m", "workloads.replay", "--proto", proto, "--url", url,
+               *trust, "--out", str(out), "--no-progress", *flags]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if result.returncode == 2 or not out.exists():
         raise RuntimeError(f"replay failed ({result.returncode}):\n{result.stderr[-2000:]}")
     return json.loads(out.read_text())
+
+
+STATIC_SUFFIX = "-only"
+
+
+def live_policy(name: str) -> tuple[str | None, str]:
+    """How one of the seed's baselines runs on the live server: the server's --policy (None: the
+    deployment's own), and the model the client asks for. A one-model baseline ("opt-6.7b-only")
+    is the client naming the model, which the gateway sends to its least-loaded replica, as
+    `Static` does in the simulator."""
+    if name.endswith(STATIC_SUFFIX):
+        return None, name.removesuffix(STATIC_SUFFIX)
+    if name == "threshold":
+        # The simulator's thresholds are grid-searched per run; the server's come from
+        # models.yaml, so the two would not be the same policy.
+        raise ValueError("the tuned threshold policy does not run live")
+    return name, "auto"
+
+
+def run_live(
+    deployment: str,
+    config: Path,
+    policy: str,
+    flags: Sequence[str],
+    out: Path,
+    admission: str = "none",
+    connections: int = 4,
+) -> dict:
+    """One run of the seed's experiments on a fresh live server (as the simulator resets its
+    cluster): the workload `flags` describe, sent over HTTP/3 by the load generator with `policy`
+    routing it, over `connections` QUIC connections. Each carries 128 streams at once; more of
+    them cost the server CPU (every connection builds its own packets and reads its own ACKs),
+    which at 48 req/s on paper-4gpu-sim is the margin between keeping up and not. Returns the
+    load generator's record, with the share of a core the server's process used while it ran
+    (`server_cores`); the server's log lies beside `out`."""
+    server_policy, model = live_policy(policy)
+    extra = ["--config", str(config), "--admission", admission, "--request-log", "off"]
+    log = out.with_suffix(".server.log")
+    with server(deployment, server_policy, log, extra=extra, ready_path="/readyz") as live:
+        cpu, start = metric(live.url, "process_cpu_seconds_total"), time.monotonic()
+        record = replay(
+            f"https://127.0.0.1:{live.h3_port}",
+            out,
+            "--config", str(config), "--deployment", deployment, "--model", model,
+            "--connections", str(connections), *flags,
+            proto="h3",
+        )  # fmt: skip
+        spent = metric(live.url, "process_cpu_seconds_total") - cpu
+        record["server_cores"] = spent / (time.monotonic() - start)
+    return record

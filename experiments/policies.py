@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from config import Deployment
@@ -39,17 +39,29 @@ def tuned_thresholds(deployment: Deployment, results: Path) -> dict[str, int]:
 
 
 def baselines(
-    deployment: Deployment, results: Path, dqn: Path | None = None
+    deployment: Deployment,
+    results: Path,
+    dqn: Path | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, Callable[[], Policy]]:
-    """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls)."""
-    thresholds = tuned_thresholds(deployment, results)
+    """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls), for
+    every baseline or those named in `only`. The DQN is `dqn`, else the deployment's own trained
+    policy, else router/policies/<deployment>.npz; it is left out if there is none."""
+    wanted = set(only) if only is not None else None
+
+    def want(name: str) -> bool:
+        return wanted is None or name in wanted
+
     policies: dict[str, Callable[[], Policy]] = {}
-    dqn = dqn or DEFAULT_POLICY_DIR / f"{deployment.name}.npz"
-    if dqn.exists():
+    own = deployment.policy.path if deployment.policy.name == "dqn" else None
+    dqn = dqn or (Path(own) if own else DEFAULT_POLICY_DIR / f"{deployment.name}.npz")
+    if want("dqn") and dqn.exists():
         trained = DqnPolicy.load(dqn)
         trained.check_fits(deployment)
         policies["dqn"] = lambda: trained
-    policies["threshold"] = lambda: QualityThreshold(deployment.quality, 32, thresholds)
+    if want("threshold"):
+        thresholds = tuned_thresholds(deployment, results)
+        policies["threshold"] = lambda: QualityThreshold(deployment.quality, 32, thresholds)
     for model in deployment.models:
         policies[f"{model}-only"] = lambda m=model: Static(m)  # type: ignore[misc]
     policies |= {
@@ -59,7 +71,7 @@ def baselines(
         "prefix-hash": lambda: PrefixHash([r.name for r in deployment.replicas]),
         "random": lambda: RandomModel(deployment.models),
     }
-    return policies
+    return {name: make for name, make in policies.items() if want(name)}
 
 
 def add_admission_argument(parser: argparse.ArgumentParser) -> None:

@@ -1,62 +1,108 @@
-"""`python -m experiments.stable`: seed 004 Figures 4 and 5, the stable workload, in simulation.
+"""`python -m experiments.stable`: seed 004 Figures 4 and 5, the stable workload.
 
 Poisson arrivals at each rate from 0.25 to 48 req/s for 40 s, the cluster reset between rates,
 over several seeds. For every policy: mean reward per request and SLO attainment; for the DQN, its
 share of requests per model (Figure 4's lower panel) and per task (Figure 5).
 
-Writes results/stable-<deployment>.csv and .png and prints the table with the targets' checks.
+In the simulator by default. With --live, the same workloads (same seeds, same requests) also go
+through the real server, one fresh server per run, over HTTP/3 with the load generator: on
+`paper-4gpu-sim` that is the paper's deployment on simulated engines, in real time. --quick runs
+five rates, the DQN and the one-model baselines, one seed.
+
+Writes results/stable-<deployment>.csv and .png (and -live.csv and .png with --live) and prints
+the table with the targets' checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from config import DEFAULT_PATH, ConfigError, load_deployment
+from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
+from experiments import live
 from experiments.output import write_csv
 from experiments.policies import add_admission_argument, baselines
-from router.evaluate import mean_reward, simulate
+from router.evaluate import outcomes, simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
+from workloads.metrics import Outcome
 
 RATES = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+QUICK_RATES = (0.25, 1, 4, 16, 48)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
-    deployment = load_deployment(args.config, args.deployment).with_admission(args.admission)
-    policies = baselines(deployment, args.results, args.policy_file)
+def row(
+    policy: str, rate: float, seed: int, done: Sequence[Outcome], deployment: Deployment
+) -> dict[str, object]:
+    """One run's line of the table, from its requests, simulated or live alike."""
+    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    result: dict[str, object] = {
+        "policy": policy,
+        "rate": rate,
+        "seed": seed,
+        "requests": len(done),
+        "mean_reward": float(np.mean([o.reward for o in done])) if done else 0.0,
+        "slo": float(np.mean([o.slo_met for o in done])) if done else 0.0,
+        "median_ttft_ms": float(np.median(ttfts)) * 1000 if ttfts else float("nan"),
+    }
+    models = Counter(o.model for o in done)
+    for m in deployment.models:
+        result[f"share:{m}"] = models[m] / max(1, len(done))
+    for task in deployment.tasks:
+        of_task = [o for o in done if o.task == task]
+        for m in deployment.models:
+            n = sum(1 for o in of_task if o.model == m)
+            result[f"share:{task}:{m}"] = n / max(1, len(of_task))
+    return result
+
+
+def runs(args: argparse.Namespace, policies: Sequence[str]) -> list[tuple[str, float, int]]:
+    return [(p, rate, seed) for p in policies for rate in args.rates for seed in range(args.seeds)]
+
+
+def run(args: argparse.Namespace, deployment: Deployment) -> list[dict[str, object]]:
+    only = quick_policies(deployment) if args.quick else None
+    policies = baselines(deployment, args.results, args.policy_file, only)
     rows: list[dict[str, object]] = []
-    with tqdm(total=len(policies) * len(args.rates) * args.seeds, unit="run") as bar:
-        for name, factory in policies.items():
-            for rate in args.rates:
-                for seed in range(args.seeds):
-                    spec = WorkloadSpec(arrivals=Poisson(rate))
-                    done = simulate(deployment, factory(), spec, seed, duration=args.duration)
-                    row: dict[str, object] = {
-                        "policy": name,
-                        "rate": rate,
-                        "seed": seed,
-                        "requests": len(done),
-                        "mean_reward": mean_reward(deployment, done),
-                        "slo": float(np.mean([f.slo_met for f in done])) if done else 0.0,
-                    }
-                    models = Counter(f.model for f in done)
-                    for m in deployment.models:
-                        row[f"share:{m}"] = models[m] / max(1, len(done))
-                    for task in deployment.tasks:
-                        of_task = [f for f in done if f.request.task == task]
-                        for m in deployment.models:
-                            n = sum(1 for f in of_task if f.model == m)
-                            row[f"share:{task}:{m}"] = n / max(1, len(of_task))
-                    rows.append(row)
-                    bar.update(1)
+    for name, rate, seed in tqdm(runs(args, list(policies)), unit="run", desc="simulated"):
+        spec = WorkloadSpec(arrivals=Poisson(rate))
+        done = simulate(deployment, policies[name](), spec, seed, duration=args.duration)
+        rows.append(row(name, rate, seed, outcomes(deployment, done), deployment))
     return rows
+
+
+def run_live(
+    args: argparse.Namespace, deployment: Deployment, policies: Sequence[str]
+) -> list[dict[str, object]]:
+    """The same runs on the live server: each workload is the one the simulator saw (the load
+    generator draws it from the same spec and seed)."""
+    rows: list[dict[str, object]] = []
+    folder = args.results / f"stable-{deployment.name}-live"
+    for name, rate, seed in tqdm(runs(args, policies), unit="run", desc="live"):
+        flags = ["--arrivals", "poisson", "--rate", f"{rate:g}", "--duration",
+                 f"{args.duration:g}", "--seed", str(seed)]  # fmt: skip
+        out = folder / f"{name}-{rate:g}-{seed}.json"
+        record = live.run_live(
+            deployment.name, args.config, name, flags, out, connections=args.connections
+        )
+        done = [Outcome(**o) for o in record["requests"]]
+        rows.append(row(name, rate, seed, done, deployment) | {
+            "client_kept_up": record["client"]["kept_up"],
+            "server_cores": record["server_cores"],
+            "errors": json.dumps(record["summary"]["errors"]),
+        })  # fmt: skip
+    return rows
+
+
+def quick_policies(deployment: Deployment) -> list[str]:
+    return ["dqn", *(f"{m}{live.STATIC_SUFFIX}" for m in deployment.models)]
 
 
 def mean_by(
@@ -166,36 +212,130 @@ def plot(rows: list[dict[str, object]], models: list[str], tasks: list[str], pat
     plt.close(fig)
 
 
+def agreement(sim: list[dict[str, object]], real: list[dict[str, object]]) -> list[str]:
+    """The live twin against the simulator, per policy and rate: mean reward, and median TTFT.
+    The live TTFT carries a fixed per-request cost that the simulator leaves out (HTTP/3, the
+    gateway, tokenising, the engine's event loop); it is measured at the lowest rate, where
+    nothing queues, as the median over the policies of live minus simulated, and the medians
+    must then agree within 10% plus that overhead."""
+    reward_sim, reward_live = mean_by(sim, "mean_reward"), mean_by(real, "mean_reward")
+    ttft_sim, ttft_live = mean_by(sim, "median_ttft_ms"), mean_by(real, "median_ttft_ms")
+    policies = list(dict.fromkeys(str(r["policy"]) for r in real))
+    rates = sorted({float(r["rate"]) for r in real})  # type: ignore[arg-type]
+    overhead = float(np.median([ttft_live[p, rates[0]] - ttft_sim[p, rates[0]] for p in policies]))
+    lines = [f"fixed per-request TTFT overhead (at {rates[0]:g} req/s): {overhead:.1f} ms",
+             f"{'policy':>16} {'rate':>6} {'reward sim':>10} {'live':>7} {'diff':>7}  "
+             f"{'TTFT sim':>9} {'live':>8} {'diff':>8} {'allowed':>8}"]  # fmt: skip
+    for p in policies:
+        for rate in rates:
+            d = reward_live[p, rate] - reward_sim[p, rate]
+            t_sim, t_live = ttft_sim[p, rate], ttft_live[p, rate]
+            allowed = 0.1 * t_sim + overhead
+            mark = " " if abs(t_live - t_sim) <= allowed else "!"
+            lines.append(
+                f"{p:>16} {rate:>6g} {reward_sim[p, rate]:>10.3f} {reward_live[p, rate]:>7.3f} "
+                f"{d:>+7.3f}{' ' if abs(d) <= 0.03 else '!'} {t_sim:>9.1f} {t_live:>8.1f} "
+                f"{t_live - t_sim:>+8.1f} {allowed:>8.1f}{mark}"
+            )  # fmt: skip
+    lines.append("targets: |reward diff| <= 0.03; |TTFT diff| <= 10% of the simulated + the "
+                 "overhead, in ms (! marks a miss)")  # fmt: skip
+    return lines
+
+
+def plot_live(sim: list[dict[str, object]], real: list[dict[str, object]], path: Path) -> None:
+    """The simulated and the live Figure 4 side by side, and the DQN's median TTFT in both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    policies = list(dict.fromkeys(str(r["policy"]) for r in real))
+    rates = sorted({float(r["rate"]) for r in real})  # type: ignore[arg-type]
+    for ax, rows, title in ((axes[0], sim, "simulated"), (axes[1], real, "live")):
+        reward = mean_by(rows, "mean_reward")
+        for p in policies:
+            style = {"lw": 2.5, "color": "black"} if p == "dqn" else {"lw": 1}
+            ax.plot(rates, [reward[p, r] for r in rates], marker=".", label=p, **style)
+        ax.set(xscale="log", xlabel="arrival rate (req/s)", ylabel="mean reward per request",
+               ylim=(0, 1.05), title=f"Figure 4, {title}")  # fmt: skip
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    for rows, label in ((sim, "simulated"), (real, "live")):
+        ttft = mean_by(rows, "median_ttft_ms")
+        for p in policies:
+            ax.plot(rates, [ttft[p, r] for r in rates], marker=".",
+                    ls="-" if label == "live" else "--", label=f"{p}, {label}")  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="arrival rate (req/s)",
+           ylabel="median TTFT (ms)", title="TTFT")  # fmt: skip
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(rows: list[dict[str, object]], rates: Sequence[float], caption: str) -> None:
+    reward = mean_by(rows, "mean_reward")
+    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    print(caption)
+    print(f"{'rate':>6} " + " ".join(f"{p[:11]:>11}" for p in policies))
+    for rate in rates:
+        print(f"{rate:>6g} " + " ".join(f"{reward[p, rate]:>11.3f}" for p in policies))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.stable", description=__doc__)
     parser.add_argument("--config", type=Path, default=DEFAULT_PATH)
     parser.add_argument("--deployment", default="paper-4gpu")
-    parser.add_argument("--policy-file", type=Path, help="default: router/policies/<dep>.npz")
+    parser.add_argument("--policy-file", type=Path, help="default: the deployment's DQN")
     parser.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",")],
-                        default=list(RATES))  # fmt: skip
+                        help=f"req/s (default: {','.join(map(str, RATES))})")  # fmt: skip
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per rate")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=None, help="default: 3 (1 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"rates {','.join(map(str, QUICK_RATES))}, the DQN and the "
+                        "one-model baselines, one seed")  # fmt: skip
+    parser.add_argument("--live", action="store_true",
+                        help="run the same workloads on the live server too (use a deployment "
+                        "it can serve here: paper-4gpu-sim)")  # fmt: skip
+    parser.add_argument("--connections", type=int, default=4,
+                        help="--live: QUIC connections of the load generator")  # fmt: skip
     add_admission_argument(parser)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
+    args.rates = args.rates or list(QUICK_RATES if args.quick else RATES)
+    args.seeds = args.seeds or (1 if args.quick else 3)
     try:
-        deployment = load_deployment(args.config, args.deployment)
+        deployment = load_deployment(args.config, args.deployment).with_admission(args.admission)
     except ConfigError as exc:
         parser.error(str(exc))
-    rows = run(args)
+    rows = run(args, deployment)
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"stable-{deployment.name}"
     write_csv(Path(f"{stem}.csv"), rows)
     plot(rows, deployment.models, deployment.tasks, Path(f"{stem}.png"))
-    reward = mean_by(rows, "mean_reward")
-    policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
-    print(f"mean reward per request, mean of {args.seeds} seeds, {args.duration:g} s per rate")
-    print(f"{'rate':>6} " + " ".join(f"{p[:11]:>11}" for p in policies))
-    for rate in args.rates:
-        print(f"{rate:>6g} " + " ".join(f"{reward[p, rate]:>11.3f}" for p in policies))
+    table(rows, args.rates, f"simulated: mean reward per request, mean of {args.seeds} seeds, "
+          f"{args.duration:g} s per rate")  # fmt: skip
     for line in targets(rows, deployment.models, args.rates):
         print(line)
     print(f"wrote {stem}.csv and {stem}.png")
+    if args.live:
+        policies = list(dict.fromkeys(str(r["policy"]) for r in rows if r["policy"] != "threshold"))
+        real = run_live(args, deployment, policies)
+        both = [r | {"mode": "live"} for r in real]
+        both += [r | {"mode": "simulated"} for r in rows if r["policy"] in policies]
+        write_csv(Path(f"{stem}-live.csv"), both)
+        plot_live([r for r in rows if r["policy"] in policies], real, Path(f"{stem}-live.png"))
+        table(real, args.rates, "live: mean reward per request")
+        for line in targets(real, deployment.models, args.rates):
+            print(line)
+        for line in agreement(rows, real):
+            print(line)
+        behind = sum(not r["client_kept_up"] for r in real)
+        if behind:
+            print(f"warning: the load generator fell behind in {behind} live run(s); see "
+                  f"{args.results / f'stable-{deployment.name}-live'}")  # fmt: skip
+        print(f"wrote {stem}-live.csv and {stem}-live.png")
     return 0
 
 

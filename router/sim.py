@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -63,16 +63,130 @@ class Finished:
         return cls(request, -1, None, request.arrival, None, request.arrival, 0, False, SHED)
 
 
-@dataclass
-class _Job:
+@dataclass(eq=False)  # identity: the batcher finds a job in its lists by who it is
+class Job:
+    """One request at a replica."""
+
     request: Request
     arrival: float
     deadline: float
-    """No first token by then: the gateway gives up on it."""
+    """No first token by then: the gateway gives up on it (inf: the engine does not know one)."""
     tokens: int
-    """Output tokens it will get: its max_tokens, at least 1."""
+    """Output tokens it will get at most: its max_tokens, at least 1."""
     remaining: int
     first_token: float | None = None
+
+
+def step_time(profile: ProfileModel, batch: int) -> float:
+    """Decode step time at `batch`, linear between the profiled sizes and flat beyond them."""
+    sizes = sorted(profile.step_s)
+    return float(np.interp(batch, sizes, [profile.step_s[b] for b in sizes]))
+
+
+class Batcher:
+    """One replica's continuous batching, without a clock: the rules that the simulator runs in
+    virtual time and the simulated engine (`serving.engines.simulated`) in real time, so that
+    there is one model of a GPU, not two.
+
+    An iteration (`begin`) admits every waiting request up to `max_batch` and costs the decode
+    step of the batch it runs plus the prefill of the prompts it admitted; its end (`end`) gives
+    every request in the batch one token."""
+
+    def __init__(
+        self,
+        profile: ProfileModel,
+        max_batch: int,
+        default_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+        steps: list[float] | None = None,
+    ) -> None:
+        """`steps`: step_time(profile, b) for b = 0..max_batch, where the caller shares one table
+        among the replicas of a model; the hot path indexes instead of interpolating."""
+        self.profile = profile
+        self.max_batch = max_batch
+        self.default_prompt_tokens = default_prompt_tokens
+        self.steps = steps or [step_time(profile, b) for b in range(max_batch + 1)]
+        self.waiting: list[Job] = []
+        self.running: list[Job] = []
+        self.owed = 0
+        """Output tokens still owed to the requests in flight (what the gateway counts live)."""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+        self.owed += job.remaining
+
+    def remove(self, job: Job) -> None:
+        """`job` leaves before its last token (aborted)."""
+        if job in self.running:
+            self.running.remove(job)
+        else:
+            self.waiting.remove(job)
+        self.owed -= job.remaining
+
+    def begin(self) -> float | None:
+        """Start an iteration: admit what fits; its cost alone on its device (None: no work)."""
+        admitted = self.waiting[: max(0, self.max_batch - len(self.running))]
+        del self.waiting[: len(admitted)]
+        self.running += admitted
+        if not self.running:
+            return None
+        prefill = sum(
+            self.default_prompt_tokens
+            if j.request.prompt_tokens is None
+            else j.request.prompt_tokens
+            for j in admitted
+        )
+        return self.steps[len(self.running)] + prefill * self.profile.prefill_s_per_token
+
+    def end(self, now: float) -> list[tuple[Job, str]]:
+        """End the iteration at `now`: a token for every request in the batch. Returns the
+        requests that ended, with how: their last token (OK) or their deadline (DEADLINE: one
+        the deadline overtook while it was prefilled, whose token never counts, and those that
+        waited out their deadlines in the queue)."""
+        ended: list[tuple[Job, str]] = []
+        still: list[Job] = []
+        for job in self.running:
+            if job.first_token is None and job.deadline < now:
+                self.owed -= job.remaining  # aborted before this token
+                ended.append((job, DEADLINE))
+                continue
+            job.remaining -= 1
+            self.owed -= 1
+            if job.first_token is None:
+                job.first_token = now
+            if job.remaining > 0:
+                still.append(job)
+            else:
+                ended.append((job, OK))
+        self.running = still
+        late = [j for j in self.waiting if j.deadline <= now]
+        if late:
+            self.waiting = [j for j in self.waiting if j.deadline > now]
+            for job in late:
+                self.owed -= job.remaining
+                ended.append((job, DEADLINE))
+        return ended
+
+
+class Devices:
+    """Replicas on one device slow each other: an iteration that starts while k other replicas
+    of its device are busy takes (1 + interference x k) times as long."""
+
+    def __init__(self, interference: float) -> None:
+        self.interference = interference
+        self._busy: dict[str, int] = {}
+
+    def start(self, device: str) -> float:
+        """An iteration starts on `device`: its slowdown, fixed for its whole length."""
+        others = self._busy.get(device, 0)
+        self._busy[device] = others + 1
+        return 1.0 + self.interference * others
+
+    def stop(self, device: str) -> None:
+        self._busy[device] -= 1
 
 
 @dataclass
@@ -80,25 +194,9 @@ class _Replica:
     name: str
     model: str
     device: str
-    profile: ProfileModel
-    waiting: list[_Job] = field(default_factory=list)
-    running: list[_Job] = field(default_factory=list)
+    batch: Batcher
     busy_until: float | None = None
     """End of the iteration in progress; None while idle."""
-    steps: list[float] = field(default_factory=list)
-    """step_time(profile, b) for b = 0..max_batch: the hot path indexes instead of interpolating."""
-    owed: int = 0
-    """Output tokens still owed to the requests in flight (what the gateway counts live)."""
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-
-def step_time(profile: ProfileModel, batch: int) -> float:
-    """Decode step time at `batch`, linear between the profiled sizes and flat beyond them."""
-    sizes = sorted(profile.step_s)
-    return float(np.interp(batch, sizes, [profile.step_s[b] for b in sizes]))
 
 
 class Simulator:
@@ -120,13 +218,12 @@ class Simulator:
         if missing:
             raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
         tables = {m: [step_time(p, b) for b in range(max_batch + 1)] for m, p in profiles.items()}
-        self.replicas = [_Replica(n, m, d, profiles[m], steps=tables[m]) for n, m, d in replicas]
-        self._busy = dict.fromkeys((r.device for r in self.replicas), 0)
-        """Busy replicas per device."""
+        self.replicas = [
+            _Replica(n, m, d, Batcher(profiles[m], max_batch, default_prompt_tokens, tables[m]))
+            for n, m, d in replicas
+        ]
+        self.devices = Devices(interference)
         self.slo = slo
-        self.max_batch = max_batch
-        self.interference = interference
-        self.default_prompt_tokens = default_prompt_tokens
         self.deadlines = deadlines or {}
         self.now = 0.0
         self._events: list[tuple[float, int, int]] = []  # (time, seq, replica index)
@@ -145,7 +242,10 @@ class Simulator:
 
     def view(self) -> ClusterView:
         return ClusterView(
-            tuple(ReplicaState(r.name, r.model, r.in_flight, True, r.owed) for r in self.replicas)
+            tuple(
+                ReplicaState(r.name, r.model, r.batch.in_flight, True, r.batch.owed)
+                for r in self.replicas
+            )
         )
 
     def submit(self, request: Request, replica: int) -> None:
@@ -153,8 +253,7 @@ class Simulator:
         r = self.replicas[replica]
         tokens = max(1, request.max_tokens or 1)
         deadline = self.now + self.deadlines.get(request.qos_class, float("inf"))
-        r.waiting.append(_Job(request, self.now, deadline, tokens, tokens))
-        r.owed += tokens
+        r.batch.add(Job(request, self.now, deadline, tokens, tokens))
         if r.busy_until is None:
             self._start_iteration(replica)
 
@@ -177,53 +276,23 @@ class Simulator:
 
     def _start_iteration(self, index: int) -> None:
         r = self.replicas[index]
-        admitted = r.waiting[: max(0, self.max_batch - len(r.running))]
-        del r.waiting[: len(admitted)]
-        r.running += admitted
-        if not r.running:
+        cost = r.batch.begin()
+        if cost is None:
             return
-        prefill = sum(
-            self.default_prompt_tokens
-            if j.request.prompt_tokens is None
-            else j.request.prompt_tokens
-            for j in admitted
-        )
-        cost = r.steps[len(r.running)] + prefill * r.profile.prefill_s_per_token
-        others = self._busy[r.device]  # this replica is idle here, so not among them
-        r.busy_until = self.now + cost * (1.0 + self.interference * others)
-        self._busy[r.device] += 1
+        r.busy_until = self.now + cost * self.devices.start(r.device)
         heapq.heappush(self._events, (r.busy_until, next(self._seq), index))
 
     def _end_iteration(self, index: int) -> list[Finished]:
         r = self.replicas[index]
-        done: list[Finished] = []
-        still: list[_Job] = []
-        for job in r.running:
-            if job.first_token is None and job.deadline < self.now:
-                done.append(self._end(index, job, DEADLINE))  # aborted before this token
-                continue
-            job.remaining -= 1
-            r.owed -= 1
-            if job.first_token is None:
-                job.first_token = self.now
-            if job.remaining > 0:
-                still.append(job)
-            else:
-                done.append(self._end(index, job, OK))
-        r.running = still
-        late = [j for j in r.waiting if j.deadline <= self.now]
-        if late:  # the gateway's 504 for what waited out its deadline in the queue
-            done += [self._end(index, j, DEADLINE) for j in late]
-            r.waiting = [j for j in r.waiting if j.deadline > self.now]
+        done = [self._end(index, job, outcome) for job, outcome in r.batch.end(self.now)]
         r.busy_until = None
-        self._busy[r.device] -= 1
+        self.devices.stop(r.device)
         self._start_iteration(index)
         return done
 
-    def _end(self, index: int, job: _Job, outcome: str) -> Finished:
-        """`job` leaves replica `index`: its last token (OK) or its deadline."""
+    def _end(self, index: int, job: Job, outcome: str) -> Finished:
+        """`job` left replica `index`: its last token (OK) or its deadline."""
         r = self.replicas[index]
-        r.owed -= job.remaining
         ok = outcome == OK
         return Finished(
             job.request,

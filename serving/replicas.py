@@ -142,6 +142,11 @@ class ReplicaSet:
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> ReplicaSet:
+        if deployment.simulation is not None:
+            from serving.engines.simulated import SimulatedCluster
+
+            make = SimulatedCluster(deployment).engine
+            return cls([Replica(c, make(c)) for c in deployment.replicas])
         return cls([Replica(c, make_engine(c)) for c in deployment.replicas])
 
     async def start(self) -> None:

@@ -19,7 +19,10 @@ def shipped() -> dict:
 def test_every_shipped_deployment_resolves() -> None:
     spec = load(ROOT / "models.yaml")
     sizes = {name: len(resolve(spec, name, ROOT).replicas) for name in spec.deployments}
-    assert sizes == {"embedded": 3, "opt-cpu": 3, "paper-4gpu": 12, "remote": 3}
+    assert sizes == {
+        "embedded": 3, "opt-cpu": 3, "paper-4gpu": 12, "remote": 3,
+        "paper-4gpu-sim": 12, "embedded-sim": 3,
+    }  # fmt: skip
 
 
 def test_paper_deployment_puts_one_of_each_model_on_each_gpu() -> None:

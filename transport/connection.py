@@ -25,7 +25,7 @@ import contextlib
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import ErrorCode
@@ -108,34 +108,35 @@ class ScheduledQuicConnection(QuicConnection):
         # Control streams, and control frames and discards, are not bandwidth: they go first
         # whatever the order (a stream reset at its deadline has left the scheduler).
         first = list(self._unscheduled.values())
-        sendable = False
+        ready = 0  # the scheduled streams with bytes to send now
         for s in self._owned.values():
             if s.sender.reset_pending or s.receiver.stop_pending or s.is_finished:
                 first.append(s)
             elif not s.is_blocked and not s.sender.buffer_is_empty:
-                sendable = True
+                ready += 1
         for stream in first:
             self._round[stream.stream_id] = _Served(stream, stream.sender.highest_offset)
             yield stream
-        if not sendable:
-            # No stream has bytes to send (a packet of ACKs only, or every response waiting for
-            # its next token): the order cannot matter, so the scheduler is left untouched
-            # rather than popping and requeueing every idle stream.
-            return
-        while (stream_id := self.scheduler.pop(self._now)) is not None:
+        # No stream has bytes to send (a packet of ACKs only, or every response waiting for its
+        # next token): the order cannot matter, so the scheduler is left untouched rather than
+        # popping and requeueing every idle stream. Otherwise popping stops at the last stream
+        # with bytes: popping the rest and requeueing them with nothing sent would change
+        # nothing (schedulers.py), so they are left where they are.
+        while ready and (stream_id := self.scheduler.pop(self._now)) is not None:
             if stream_id in self._round:
                 self._round[stream_id].popped = True
                 continue
             stream = self._owned[stream_id]
             start = stream.sender.highest_offset
             self._round[stream_id] = _Served(stream, start, popped=True)
-            had_data = not stream.is_blocked and not stream.sender.buffer_is_empty
+            if stream.is_blocked or stream.sender.buffer_is_empty:
+                # Waiting for its next token: not shown to aioquic, which would only skip it;
+                # it is requeued after the packet with nothing sent, so it keeps its place.
+                continue
+            ready -= 1
             next_offset = stream.sender.next_offset
             yield stream
-            if had_data and (stream.sender.highest_offset, stream.sender.next_offset) == (
-                start,
-                next_offset,
-            ):
+            if (stream.sender.highest_offset, stream.sender.next_offset) == (start, next_offset):
                 # It had bytes and the packet took none: the packet (or the connection's flow
                 # control) is full. The streams not yet popped keep their places untouched, so
                 # the scheduler's work per packet is O(streams served), not O(streams). (The
@@ -223,7 +224,8 @@ def adopt(connection: QuicConnection, scheduler: Scheduler | str) -> ScheduledQu
 
 
 class CoalescingProtocol(QuicConnectionProtocol):
-    """`transmit_soon()` sends once per event-loop pass, however many writes asked for it.
+    """`transmit_soon()` sends once per event-loop pass, however many writes (and datagrams
+    received) asked for it.
 
     Every `transmit()` builds packets, and building one walks every stream of the connection, so
     transmitting after each of a thousand small writes costs a thousand walks where one does."""
@@ -238,6 +240,15 @@ class CoalescingProtocol(QuicConnectionProtocol):
     def _transmit_now(self) -> None:
         self._transmit_pending = False
         self.transmit()
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # aioquic's own transmits after every datagram. Most of them are the peer's ACKs of
+        # what was just sent (aioquic's client acknowledges every packet), so at a few thousand
+        # token events a second that was one full walk of the streams per ACK on top of one
+        # per write (profiled: 28% of the server's time at 48 req/s on paper-4gpu-sim).
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        self.transmit_soon()
 
 
 UDP_RECEIVE_BUFFER = 4 * 2**20

@@ -19,6 +19,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
+from serving.engines.prompts import PromptTokenizer, output_budget
 from workloads import Request
 
 if TYPE_CHECKING:
@@ -35,8 +36,7 @@ class VllmEngine:
             raise ValueError(f"{config.name}: a vLLM engine needs a device")
         self.config = config
         self._llm: AsyncLLM | None = None
-        self._tokenizer = None
-        self._chat_template: str | None = None
+        self._prompts: PromptTokenizer
         self.max_model_len = 0
         self._by_priority = config.engine_args.get("scheduling_policy") == "priority"
 
@@ -67,13 +67,8 @@ class VllmEngine:
                 asyncio.to_thread(_start_on, cores, AsyncLLM.from_engine_args, args),
                 lambda llm: llm.shutdown(),
             )
-        self._tokenizer = self._llm.get_tokenizer()
+        self._prompts = PromptTokenizer(self._llm.get_tokenizer(), self.config)
         self.max_model_len = self._llm.model_config.max_model_len
-        self._chat_template = (
-            self.config.chat_template
-            or getattr(self._tokenizer, "chat_template", None)
-            or self.config.fallback_chat_template
-        )
         log.info(
             "%s: ready in %.1f s, context %d tokens, EngineCore pid %s",
             self.config.name,
@@ -145,38 +140,11 @@ class VllmEngine:
             index = visible.split(",")[int(index)]
         return {"CUDA_VISIBLE_DEVICES": index}
 
-    def _prompt_ids(self, request: Request) -> list[int]:
-        tokenizer = self._tokenizer
-        if not request.is_chat:
-            return tokenizer.encode(request.prompt)
-        messages = [{"role": m.role, "content": m.content} for m in request.prompt]
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
-        )
-        # As vLLM does: a chat template writes its own special tokens.
-        return tokenizer.encode(text, add_special_tokens=False)
-
     def _sampling_params(self, request: Request, sampling: Sampling, prompt_len: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        room = self.max_model_len - prompt_len
-        if room <= 0:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"and the prompt has {prompt_len}.",
-                param="messages" if request.is_chat else "prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = request.max_tokens if request.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        max_tokens = output_budget(request, prompt_len, self.max_model_len)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=sampling.temperature,
@@ -190,18 +158,12 @@ class VllmEngine:
         )
 
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
-        from jinja2 import TemplateError
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._running()  # raises EngineUnavailable before anything starts: safe to retry
-        try:
-            ids = await self._prompt_ids_off_loop(request)
-        except TemplateError as exc:  # a model's own template may refuse a conversation
-            raise InvalidRequest(
-                f"The chat template refused the messages: {exc}", param="messages"
-            ) from exc
+        ids = await self._prompts.ids(request)
         params = self._sampling_params(request, sampling, len(ids))
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
@@ -234,12 +196,6 @@ class VllmEngine:
         except Exception as exc:
             raise EngineError(f"{self.config.name}: {type(exc).__name__}: {exc}") from exc
 
-    async def _prompt_ids_off_loop(self, request: Request) -> list[int]:
-        """Tokenise; a long prompt in a thread, so that it does not stall every other stream."""
-        if _prompt_chars(request) < _INLINE_TOKENIZE_CHARS:
-            return self._prompt_ids(request)
-        return await asyncio.to_thread(self._prompt_ids, request)
-
     def _running(self) -> AsyncLLM:
         if self._llm is None:
             raise EngineUnavailable(f"{self.config.name}: not running")
@@ -270,17 +226,6 @@ class VllmEngine:
         llm, self._llm = self._llm, None  # not healthy from here on, even while shutting down
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
-
-
-# Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
-# 7 ms for 16,000; a thread hop costs about a tenth of a millisecond. Longer prompts go to a thread.
-_INLINE_TOKENIZE_CHARS = 1_024
-
-
-def _prompt_chars(request: Request) -> int:
-    if isinstance(request.prompt, str):
-        return len(request.prompt)
-    return sum(len(m.content) for m in request.prompt)
 
 
 async def _finish_even_if_cancelled(work: Awaitable[R], undo: Callable[[R], object]) -> R:

@@ -1,0 +1,494 @@
+"""Front-end capacity: how many token events a second the server delivers when no engine holds it
+back, against bare servers that stream the same chunks.
+
+Four targets, each one process pinned to CPU 0, driven in turn by the same closed-loop client
+(`--clients` processes on the other CPUs, each keeping its share of the streams open; every
+request asks for `--tokens` tokens with ignore_eos and is counted by its `data: {` events):
+
+- `full/h3`, `full/h1`: `python -m serving --deployment paper-4gpu-sim`, its profile's times
+  multiplied by `--time-scale` (0.001: OPT-6.7B steps in about 20 us), so the twelve simulated
+  engines are never the bottleneck; the whole path, HTTP/3 or HTTP/1.1 -> classification ->
+  gateway -> DQN router -> simulated engine -> the event stream back;
+- `starlette/h1`: a bare Starlette endpoint under uvicorn that streams the same chunk bytes;
+- `aioquic/h3`: a bare aioquic HTTP/3 server that streams them, one `send_data` and transmit
+  an event, as a naive server would.
+
+The streams in flight rise through `--levels` until the events a second stop growing by 5%.
+For each target: its peak, the server's CPU per 1,000 events there, and the client's CPU (a
+client on a full core may have timed itself). Then the ratios the issue asks for: full/h3 to
+aioquic/h3, full/h1 to starlette/h1. With --profile, py-spy samples the full server at its peak
+over HTTP/3 and the top frames are printed.
+
+    python benchmarks/frontend_capacity.py            # about 5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from experiments.live import free_port, server
+from transport.tls import ensure_certificate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHUNK = (
+    b'data: {"id":"chatcmpl-0123456789abcdef0123456789abcdef","object":"chat.completion.chunk",'
+    b'"created":1795525162,"model":"opt-125m","replica":"cuda:0/opt-125m","choices":[{"index":0,'
+    b'"delta":{"content":" stone"},"logprobs":null,"finish_reason":null}]}\n\n'
+)
+"""One of the server's token events, byte for byte in size; the bare servers send it."""
+DONE = b"data: [DONE]\n\n"
+SERVER_CPU = 0
+GROWTH = 1.05
+
+
+# -- the bare servers ---------------------------------------------------------------------------
+
+
+def serve_starlette(port: int) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request: Request) -> StreamingResponse:
+        tokens = int((await request.json())["max_tokens"])
+
+        async def events() -> Any:
+            for _ in range(tokens):
+                yield CHUNK
+            yield DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def serve_aioquic(port: int) -> None:
+    from aioquic.asyncio import QuicConnectionProtocol, serve
+    from aioquic.h3.connection import H3_ALPN, H3Connection
+    from aioquic.h3.events import DataReceived, HeadersReceived
+    from aioquic.quic.configuration import QuicConfiguration
+
+    class Bare(QuicConnectionProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.h3 = H3Connection(self._quic)
+            self.bodies: dict[int, bytes] = {}
+
+        def quic_event_received(self, event: Any) -> None:
+            for h3_event in self.h3.handle_event(event):
+                if isinstance(h3_event, HeadersReceived):
+                    self.bodies[h3_event.stream_id] = b""
+                elif isinstance(h3_event, DataReceived):
+                    self.bodies[h3_event.stream_id] += h3_event.data
+                    if h3_event.stream_ended:
+                        body = self.bodies.pop(h3_event.stream_id)
+                        asyncio.ensure_future(self.respond(h3_event.stream_id, body))
+
+        async def respond(self, stream_id: int, body: bytes) -> None:
+            tokens = int(json.loads(body)["max_tokens"])
+            self.h3.send_headers(
+                stream_id, [(b":status", b"200"), (b"content-type", b"text/event-stream")]
+            )
+            for _ in range(tokens):
+                self.h3.send_data(stream_id, CHUNK, end_stream=False)
+                self.transmit()
+                await asyncio.sleep(0)
+            self.h3.send_data(stream_id, DONE, end_stream=True)
+            self.transmit()
+
+    cert, key = ensure_certificate()
+    config = QuicConfiguration(
+        is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
+    )
+    config.load_cert_chain(cert, key)
+
+    async def main() -> None:
+        await serve("127.0.0.1", port, configuration=config, create_protocol=Bare)
+        await asyncio.Future()
+
+    asyncio.run(main())
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    proto: str
+    host: str
+    port: int
+    streams: int
+    tokens: int
+    start: float
+    """time.time() at which the streams open; counting starts `warm_s` later."""
+    warm_s: float
+    measure_s: float
+
+
+def client_process(load: Load, cpus: set[int], out: Any) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    out.send(asyncio.run(_client(load)))
+
+
+async def _client(load: Load) -> dict[str, float]:
+    counted = Counter[str]()
+    begin, end = load.start + load.warm_s, load.start + load.warm_s + load.measure_s
+    body = json.dumps(
+        {
+            "model": "auto",
+            "max_tokens": load.tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+        }
+    ).encode()
+
+    def count(events: int) -> None:
+        if begin <= time.time() < end:
+            counted["events"] += events
+
+    await asyncio.sleep(max(0.0, load.start - time.time()))
+    cpu = 0.0
+    if load.proto == "h3":
+        from transport.client import Http3Pool
+
+        pool = Http3Pool(
+            load.host,
+            load.port,
+            connections=max(1, load.streams // 100),
+            verify=str(ROOT / ".certs" / "cert.pem"),
+        )
+        async with pool:
+
+            async def one() -> None:
+                response = await pool.request(
+                    "POST", "/v1/chat/completions", {"content-type": "application/json"}, body
+                )
+                if response.status != 200:
+                    counted["errors"] += 1
+                tail = b""
+                async for chunk in response.iter_bytes():
+                    data = tail + chunk
+                    count(data.count(b"data: {"))
+                    tail = data[-6:]
+
+            cpu = await _loop(one, load, end, counted)
+    else:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            url = f"http://{load.host}:{load.port}/v1/chat/completions"
+
+            async def one() -> None:
+                headers = {"content-type": "application/json"}
+                async with session.post(url, data=body, headers=headers) as response:
+                    if response.status != 200:
+                        counted["errors"] += 1
+                    tail = b""
+                    async for chunk in response.content.iter_any():
+                        data = tail + chunk
+                        count(data.count(b"data: {"))
+                        tail = data[-6:]
+
+            cpu = await _loop(one, load, end, counted)
+    return {"events": counted["events"], "errors": counted["errors"], "cpu_s": cpu}
+
+
+async def _loop(one: Callable[[], Any], load: Load, end: float, failed: Counter[str]) -> float:
+    """`load.streams` streams, each opened again as it ends, until `end`; the CPU this process
+    spent while the events were counted."""
+    cpu: dict[str, float] = {}
+
+    async def stream() -> None:
+        while time.time() < end:
+            try:
+                await one()
+            except Exception:  # a broken stream counts, and the next one opens
+                failed["errors"] += 1
+
+    async def clock() -> None:
+        await asyncio.sleep(max(0.0, load.start + load.warm_s - time.time()))
+        cpu["begin"] = time.process_time()
+        await asyncio.sleep(max(0.0, end - time.time()))
+        cpu["end"] = time.process_time()
+
+    await asyncio.gather(clock(), *[stream() for _ in range(load.streams)])
+    return cpu["end"] - cpu["begin"]
+
+
+def drive(target: str, port: int, pid: int, streams: int, args: argparse.Namespace) -> dict:
+    """One level: `streams` in flight from the client processes, and what the server spent."""
+    proto = target.split("/")[1]
+    clients = args.clients
+    cpus = set(range(os.cpu_count() or 1)) - {SERVER_CPU} or set()
+    start = time.time() + 2.0  # time for the client processes to start
+    loads = [
+        Load(
+            proto,
+            "127.0.0.1",
+            port,
+            max(1, streams // clients),
+            args.tokens,
+            start,
+            args.warm_s,
+            args.measure_s,
+        )
+        for _ in range(clients)
+    ]
+    context = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for load in loads:
+        mine, theirs = context.Pipe()
+        process = context.Process(target=client_process, args=(load, cpus, theirs))
+        process.start()
+        pipes.append(mine)
+        processes.append(process)
+    me = psutil.Process(pid)
+    time.sleep(max(0.0, start + args.warm_s - time.time()))
+    before = _cpu(me)
+    time.sleep(args.measure_s)
+    spent = _cpu(me) - before
+    results = [pipe.recv() for pipe in pipes]
+    for process in processes:
+        process.join(30)
+    events = sum(r["events"] for r in results)
+    return {
+        "target": target,
+        "streams": streams,
+        "events_per_s": events / args.measure_s,
+        "server_cores": spent / args.measure_s,
+        "server_cpu_ms_per_1000_events": spent * 1e6 / max(1, events),
+        "client_cores": sum(r["cpu_s"] for r in results) / args.measure_s,
+        "errors": sum(r["errors"] for r in results),
+    }
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+# -- the servers under test ---------------------------------------------------------------------
+
+
+def _pin() -> None:
+    os.sched_setaffinity(0, {SERVER_CPU})
+
+
+@contextlib.contextmanager
+def bare(kind: str, results: Path) -> Iterator[tuple[int, int]]:
+    """One of the bare servers, this script run as it, on a free port of its protocol."""
+    port = free_port(socket.SOCK_DGRAM if kind == "aioquic" else socket.SOCK_STREAM)
+    command = [sys.executable, __file__, "--serve", kind, "--port", str(port)]
+    with open(results / f"{kind}.log", "w") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pin
+        )
+    try:
+        time.sleep(3.0)  # both bind within a second; a failed start shows in the level's errors
+        if process.poll() is not None:
+            raise RuntimeError(f"the bare {kind} server exited; see {results / kind}.log")
+        yield port, process.pid
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextlib.contextmanager
+def full(args: argparse.Namespace, results: Path) -> Iterator[tuple[int, int, int]]:
+    """The real server on paper-4gpu-sim, its times scaled by --time-scale."""
+    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for model in spec["models"].values():
+        if model["source"].startswith("."):
+            model["source"] = str(ROOT / model["source"])
+    deployment = spec["deployments"][args.deployment]
+    deployment["policy"]["path"] = str(ROOT / deployment["policy"]["path"])
+    deployment.setdefault("simulation", {})["time_scale"] = args.time_scale
+    config = results / "models.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    extra = ["--config", str(config), "--admission", "none", "--request-log", "off"]
+    with server(
+        args.deployment,
+        None,
+        results / "full.log",
+        extra=extra,
+        ready_path="/readyz",
+        cpus={SERVER_CPU},
+    ) as live:
+        yield int(live.url.rsplit(":", 1)[1]), live.h3_port, live.pid
+
+
+def ramp(target: str, port: int, pid: int, args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
+    for streams in args.levels:
+        row = drive(target, port, pid, streams, args)
+        rows.append(row)
+        print(
+            f"  {target:<13} {streams:>5} streams: {row['events_per_s']:>8.0f} events/s, "
+            f"server {row['server_cores']:.2f} cores, {row['server_cpu_ms_per_1000_events']:.0f} "
+            f"ms CPU/1000 events, client {row['client_cores']:.2f} cores, "
+            f"{row['errors']} errors",
+            flush=True,
+        )
+        if len(rows) > 1 and row["events_per_s"] < GROWTH * rows[-2]["events_per_s"]:
+            break
+    return rows
+
+
+def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Path) -> list[str]:
+    """py-spy's view of the full server at `streams` over HTTP/3: the functions where its samples
+    were, by own time and with what they called."""
+    if shutil.which("py-spy") is None:
+        return ["py-spy is not installed (pip install py-spy): no profile"]
+    raw = out / "profile-h3.txt"
+    sampler = subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(int(args.warm_s + args.measure_s)),
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    drive("full/h3", port, pid, streams, args)
+    sampler.wait(60)
+    own, total = Counter[str](), Counter[str]()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [
+            f.split(" (")[0] + " " + f.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1]
+            for f in stack.split(";")
+        ]
+        n = int(count)
+        samples += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            total[frame] += n
+    lines = [f"{samples} samples; own time:"]
+    lines += [f"  {n / samples:6.1%}  {f}" for f, n in own.most_common(15)]
+    lines.append("inclusive (with what they call), below the event loop:")
+    loop = ("runners.py", "base_events.py", "events.py", "runpy", "__main__.py", "threading.py")
+    inner = [(f, n) for f, n in total.most_common() if not f.endswith(loop)]
+    lines += [f"  {n / samples:6.1%}  {f}" for f, n in inner[:20]]
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", choices=["starlette", "aioquic"], help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--deployment", default="paper-4gpu-sim")
+    p.add_argument("--time-scale", type=float, default=0.001)
+    p.add_argument(
+        "--levels",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[16, 64, 256, 512],
+        help="streams in flight, rising",
+    )
+    p.add_argument("--tokens", type=int, default=64, help="events per response")
+    p.add_argument("--clients", type=int, default=2, help="client processes")
+    p.add_argument("--warm-s", type=float, default=2.0)
+    p.add_argument("--measure-s", type=float, default=6.0)
+    p.add_argument("--targets", default="aioquic/h3,full/h3,starlette/h1,full/h1")
+    p.add_argument("--profile", action="store_true", help="py-spy the full server over HTTP/3")
+    p.add_argument("--out", default=str(ROOT / "results" / "frontend_capacity"))
+    args = p.parse_args()
+    if args.serve:
+        {"starlette": serve_starlette, "aioquic": serve_aioquic}[args.serve](args.port)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"{platform.node()}: {os.cpu_count()} CPUs; servers on CPU {SERVER_CPU}, "
+        f"{args.clients} client processes on the others; {args.tokens} events a response"
+    )
+    rows: list[dict] = []
+    profiled: list[str] = []
+    targets = args.targets.split(",")
+    if any(t.startswith("full/") for t in targets):
+        with full(args, out) as (port, h3_port, pid):
+            for target in [t for t in targets if t.startswith("full/")]:
+                rows += ramp(target, h3_port if target.endswith("h3") else port, pid, args)
+            if args.profile:
+                peak = max(
+                    (r for r in rows if r["target"] == "full/h3"), key=lambda r: r["events_per_s"]
+                )
+                profiled = profile(pid, h3_port, peak["streams"], args, out)
+    for target in [t for t in targets if not t.startswith("full/")]:
+        with bare(target.split("/")[0], out) as (port, pid):
+            rows += ramp(target, port, pid, args)
+    peaks = {
+        t: max((r for r in rows if r["target"] == t), key=lambda r: r["events_per_s"])
+        for t in targets
+    }
+    print(
+        f"\n{'target':<13} {'streams':>7} {'events/s':>9} {'server cores':>12} "
+        f"{'CPU ms/1000 ev':>14} {'client cores':>12}"
+    )
+    for t, r in peaks.items():
+        print(
+            f"{t:<13} {r['streams']:>7} {r['events_per_s']:>9.0f} {r['server_cores']:>12.2f} "
+            f"{r['server_cpu_ms_per_1000_events']:>14.0f} {r['client_cores']:>12.2f}"
+        )
+    ratios = {}
+    for mine, theirs in (("full/h3", "aioquic/h3"), ("full/h1", "starlette/h1")):
+        if mine in peaks and theirs in peaks:
+            ratios[f"{mine} / {theirs}"] = (
+                peaks[mine]["events_per_s"] / peaks[theirs]["events_per_s"]
+            )
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f} (target >= 0.70)")
+    for line in profiled:
+        print(line)
+    record = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("serve", "port")},
+        "rows": rows,
+        "peaks": peaks,
+        "ratios": ratios,
+        "profile": profiled,
+    }
+    (out / "frontend_capacity.json").write_text(json.dumps(record, indent=1))
+    print(f"wrote {out / 'frontend_capacity.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Simulated engines: the Engine contract kept without a model, the simulator's batching in real
+time, failure injection only where a deployment names it, and a live server that serves the
+paper's twelve replicas on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+import yaml
+
+from config import ConfigError, load_deployment, resolve
+from config.deployment import Simulation
+from config.schema import Faults, ModelsFile
+from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
+from serving.engines.prompts import output_budget
+from serving.engines.simulated import SimulatedCluster, SimulatedEngine
+from serving.replicas import Backoff, Replica, Supervisor
+from tests.conftest import (
+    ROOT,
+    Server,
+    free_port,
+    free_udp_port,
+    launch,
+    serving_command,
+    wait_until,
+)
+from workloads import Message, Request
+
+HELLO = (Message("user", "Hello there"),)
+EXACT = Sampling(ignore_eos=True)
+
+
+def request(rid: str, max_tokens: int | None = 8, prompt: str | tuple = HELLO) -> Request:
+    return Request(rid, 0.0, prompt, max_tokens, "free-tier", "copa")
+
+
+def deployment(faults: Faults | None = None, name: str = "embedded-sim"):  # noqa: ANN201
+    dep = load_deployment(ROOT / "models.yaml", name)
+    if faults is not None:
+        assert dep.simulation is not None
+        dep = dataclasses.replace(
+            dep, simulation=dataclasses.replace(dep.simulation, faults=faults)
+        )
+    return dep
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[SimulatedEngine]:
+    engine = SimulatedCluster(deployment()).engine(deployment().replicas[0])
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def collect(engine: SimulatedEngine, req: Request, sampling: Sampling) -> list[TokenDelta]:
+    return [d async for d in engine.generate(req, sampling)]
+
+
+async def test_max_tokens_are_generated_one_per_step(engine: SimulatedEngine) -> None:
+    deltas = await collect(engine, request("a", 7), EXACT)
+    assert sum(d.tokens for d in deltas) == 7
+    assert [d.finish_reason for d in deltas][-1] == "length"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    text = "".join(d.text for d in deltas)
+    assert len(text.split()) == 7  # one word per token
+    assert engine.unfinished() == 0
+
+
+async def test_the_text_is_the_seeds(engine: SimulatedEngine) -> None:
+    def text(deltas: list[TokenDelta]) -> str:
+        return "".join(d.text for d in deltas)
+
+    first = await collect(engine, request("a", 12), Sampling(ignore_eos=True, seed=1))
+    again = await collect(engine, request("b", 12), Sampling(ignore_eos=True, seed=1))
+    other = await collect(engine, request("c", 12), Sampling(ignore_eos=True, seed=2))
+    assert text(first) == text(again) != text(other)
+
+
+async def test_without_ignore_eos_a_request_may_end_early(engine: SimulatedEngine) -> None:
+    deltas = await collect(engine, request("a", 2000), Sampling(seed=0))
+    assert deltas[-1].finish_reason == "stop"
+    assert sum(d.tokens for d in deltas) < 2000
+
+
+async def test_a_stop_string_ends_the_text_before_it(engine: SimulatedEngine) -> None:
+    whole = "".join(
+        d.text for d in await collect(engine, request("a", 30), Sampling(seed=5, ignore_eos=True))
+    )
+    stop = whole.split()[3]  # the fourth word: it comes up within the first four tokens
+    deltas = await collect(
+        engine, request("b", 30), Sampling(seed=5, ignore_eos=True, stop=(stop,))
+    )
+    text = "".join(d.text for d in deltas)
+    assert deltas[-1].finish_reason == "stop"
+    assert stop not in text and whole.startswith(text)
+    assert engine.unfinished() == 0
+
+
+async def test_a_prompt_longer_than_the_context_gets_vllms_400(engine: SimulatedEngine) -> None:
+    long = request("a", 10, prompt=" ".join(["the"] * 3000))
+    with pytest.raises(InvalidRequest) as refused:
+        await collect(engine, long, EXACT)
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.message.startswith("This model's maximum context length is 2048 tokens")
+    too_much = request("b", 2048)
+    with pytest.raises(InvalidRequest, match="However, you requested"):
+        await collect(engine, too_much, EXACT)
+    assert engine.unfinished() == 0
+
+
+def test_the_400_is_the_same_for_every_engine_kind() -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        output_budget(request("a", 100), 2000, 2048)
+    assert refused.value.param == "max_tokens"
+    assert "(2000 in the prompt, 100 in the completion)" in refused.value.message
+
+
+async def test_closing_the_stream_frees_the_slot(engine: SimulatedEngine) -> None:
+    stream = engine.generate(request("a", 500), EXACT)
+    await anext(stream)
+    assert engine.unfinished() == 1
+    await stream.aclose()
+    assert engine.unfinished() == 0
+
+
+async def test_batch_cap_queues_the_rest() -> None:
+    dep = deployment()
+    replica = dataclasses.replace(
+        dep.replicas[0], engine_args={**dep.replicas[0].engine_args, "max_num_seqs": 2}
+    )
+    engine = SimulatedCluster(dep).engine(replica)
+    await engine.start()
+    try:
+        streams = [engine.generate(request(f"r{i}", 50), EXACT) for i in range(3)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.wait(firsts[:2])
+        # The first two run; the third waits for a slot and has no token yet.
+        assert not firsts[2].done()
+        assert engine._batch.in_flight == 3 and len(engine._batch.running) == 2
+        await streams[0].aclose()
+        await firsts[2]  # a slot freed: it is admitted
+        for s in streams[1:]:
+            await s.aclose()
+        assert engine.unfinished() == 0
+    finally:
+        await engine.close()
+
+
+async def test_injected_errors_fail_requests_part_way() -> None:
+    dep = deployment(Faults(error_rate=1.0))
+    engine = SimulatedCluster(dep).engine(dep.replicas[0])
+    await engine.start()
+    try:
+        for i in range(3):
+            with pytest.raises(EngineError, match="simulated failure"):
+                await collect(engine, request(f"r{i}", 20), EXACT)
+        assert engine.unfinished() == 0
+    finally:
+        await engine.close()
+
+
+async def test_faults_name_their_replicas() -> None:
+    dep = deployment(Faults(error_rate=1.0, replicas=["cpu/tiny-m"]))
+    cluster = SimulatedCluster(dep)
+    spared, failing = cluster.engine(dep.replicas[0]), cluster.engine(dep.replicas[1])
+    await spared.start()
+    await failing.start()
+    try:
+        assert sum(d.tokens for d in await collect(spared, request("a", 5), EXACT)) == 5
+        with pytest.raises(EngineError):
+            await collect(failing, request("b", 5), EXACT)
+    finally:
+        await spared.close()
+        await failing.close()
+
+
+async def test_an_engine_that_dies_ends_its_requests_and_comes_back() -> None:
+    dep = deployment(Faults(fail_after_s=0.5, restart_s=0.1))
+    replica = Replica(dep.replicas[0], SimulatedCluster(dep).engine(dep.replicas[0]))
+    await replica.engine.start()
+    supervisor = asyncio.create_task(Supervisor(replica, Backoff(first_s=0.05), poll_s=0.02).run())
+    try:
+        with pytest.raises(EngineError, match="died"):
+            await collect(replica.engine, request("a", 1000), EXACT)
+        for _ in range(200):
+            if replica.restarts:
+                break
+            await asyncio.sleep(0.02)
+        assert replica.restarts == 1 and replica.engine.healthy()
+        deltas = await collect(replica.engine, request("b", 3), EXACT)
+        assert sum(d.tokens for d in deltas) == 3
+    finally:
+        supervisor.cancel()
+        await replica.engine.close()
+
+
+def spec_with(**deployment: object) -> dict:
+    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
+    spec["deployments"]["twin"] = {"placement": "paper-4gpu", **deployment}
+    return spec
+
+
+def test_faults_are_refused_outside_a_simulated_deployment() -> None:
+    spec = spec_with(profile="seed-calibrated", simulation={"faults": {"error_rate": 0.5}})
+    with pytest.raises(ValueError, match="only a deployment with engine: simulated takes it"):
+        ModelsFile.model_validate(spec)
+
+
+def test_a_simulated_deployment_needs_a_profile_and_known_replicas() -> None:
+    with pytest.raises(ValueError, match="needs a latency profile"):
+        ModelsFile.model_validate(spec_with(engine="simulated"))
+    spec = ModelsFile.model_validate(spec_with(
+        engine="simulated", profile="seed-calibrated",
+        simulation={"faults": {"replicas": ["cuda:9/opt-125m"], "error_rate": 1.0}},
+    ))  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown cuda:9/opt-125m"):
+        resolve(spec, "twin", ROOT)
+
+
+def test_time_scale_scales_the_profile_for_everyone() -> None:
+    spec = ModelsFile.model_validate(spec_with(
+        engine="simulated", profile="seed-calibrated", simulation={"time_scale": 0.01}
+    ))  # fmt: skip
+    twin = resolve(spec, "twin", ROOT)
+    assert twin.simulation is not None and twin.profile is not None
+    original = spec.profiles["seed-calibrated"].models["opt-6.7b"]
+    scaled = twin.profile.models["opt-6.7b"]
+    assert scaled.step_s[1] == pytest.approx(original.step_s[1] * 0.01)
+    assert scaled.prefill_s_per_token == pytest.approx(original.prefill_s_per_token * 0.01)
+    assert isinstance(twin.simulation, Simulation)
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`python -m serving --deployment paper-4gpu-sim`: twelve simulated replicas."""
+    logs = tmp_path_factory.mktemp("twin")
+    port, h3_port = free_port(), free_udp_port()
+    command = serving_command(
+        ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port", str(h3_port)
+    )
+    server = launch("twin", command, port, "/readyz", logs, h3_port=h3_port)
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_the_paper_deployment_serves_live(twin: Server) -> None:
+    ready = httpx.get(f"{twin.url}/readyz").json()
+    assert len(ready["replicas"]) == 12 and all(ready["replicas"].values()), ready
+    body = {"model": "auto", "task": "copa", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6, "ignore_eos": True}  # fmt: skip
+    answer = httpx.post(f"{twin.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    reply = answer.json()
+    assert reply["model"] in {"opt-125m", "opt-1.3b", "opt-6.7b"}
+    assert reply["usage"]["completion_tokens"] == 6
+    assert answer.headers["x-replica"].endswith(reply["model"])
+    labels = {"qos_class": answer.headers["x-qos-class"], "model": reply["model"], "outcome": "ok"}
+    wait_until(lambda: twin.metric("serving_requests_total", **labels) >= 1)
