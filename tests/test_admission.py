@@ -305,16 +305,19 @@ def test_the_environment_never_asks_the_policy_about_a_shed_request() -> None:
 
 
 def _hold_one_stream(server: Server, started: threading.Event, done: threading.Event) -> None:
-    # Long enough to outlast the test by far (about 10 s on vllm serve here), short of the
-    # context (2,048).
+    """Keeps one long stream running on the replica until `done`: 1,800 tokens, short of the
+    context (2,048), take from 3 to 10 s on vllm serve here, which a slow test can outlast, so
+    each one that ends is followed at once by the next."""
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1800,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                started.set()
-            if done.is_set():
-                return
+    while not done.is_set():
+        url = server.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                if done.is_set():
+                    return
 
 
 def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(remote_server: Server) -> None:
@@ -334,8 +337,9 @@ def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(remote_server:
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "overloaded"
         assert int(r.headers["retry-after"]) >= 1
-        # Never dispatched: the engine holds only the long stream still.
-        assert remote_server.metric("serving_engine_unfinished", **replica) == unfinished
+        # Never dispatched: the engine holds the long stream only (or, between two of them,
+        # nothing).
+        assert remote_server.metric("serving_engine_unfinished", **replica) <= unfinished
         assert (
             remote_server.metric(
                 "serving_requests_total", qos_class="free-tier", model="none", outcome="shed"
