@@ -405,7 +405,7 @@ def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Pa
     lines = [f"{samples} samples; own time:"]
     lines += [f"  {n / samples:6.1%}  {f}" for f, n in own.most_common(15)]
     lines.append("inclusive (with what they call), below the event loop:")
-    loop = ("runners.py", "base_events.py", "events.py", "runpy", "__main__.py", "threading.py")
+    loop = ("runners.py", "base_events.py", "events.py", "runpy>", "__main__.py", "threading.py")
     inner = [(f, n) for f, n in total.most_common() if not f.endswith(loop)]
     lines += [f"  {n / samples:6.1%}  {f}" for f, n in inner[:20]]
     return lines
