@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import yaml
 
 from experiments.live import free_port, server
 from transport.tls import ensure_certificate
@@ -246,7 +245,7 @@ def drive(target: str, port: int, pid: int, streams: int, args: argparse.Namespa
     """One level: `streams` in flight from the client processes, and what the server spent."""
     proto = target.split("/")[1]
     clients = args.clients
-    cpus = set(range(os.cpu_count() or 1)) - {SERVER_CPU} or set()
+    cpus = set(range(os.cpu_count() or 1)) - {SERVER_CPU}
     start = time.time() + 2.0  # time for the client processes to start
     loads = [
         Load(
@@ -326,16 +325,7 @@ def bare(kind: str, results: Path) -> Iterator[tuple[int, int]]:
 @contextlib.contextmanager
 def full(args: argparse.Namespace, results: Path) -> Iterator[tuple[int, int, int]]:
     """The real server on paper-4gpu-sim, its times scaled by --time-scale."""
-    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
-    for model in spec["models"].values():
-        if model["source"].startswith("."):
-            model["source"] = str(ROOT / model["source"])
-    deployment = spec["deployments"][args.deployment]
-    deployment["policy"]["path"] = str(ROOT / deployment["policy"]["path"])
-    deployment.setdefault("simulation", {})["time_scale"] = args.time_scale
-    config = results / "models.yaml"
-    config.write_text(yaml.safe_dump(spec))
-    extra = ["--config", str(config), "--admission", "none", "--request-log", "off"]
+    extra = ["--time-scale", f"{args.time_scale:g}", "--admission", "none", "--request-log", "off"]
     with server(
         args.deployment,
         None,

@@ -95,6 +95,16 @@ class Deployment:
         return replace(self, admission=_admission(self.name, AdmissionSpec(
             rule=rule, lower_class_share=self.admission.lower_class_share), self.profile))  # type: ignore[arg-type]  # fmt: skip
 
+    def with_time_scale(self, factor: float) -> Deployment:
+        """This simulated deployment with every time of its profile multiplied by `factor`, on
+        top of what models.yaml's `simulation.time_scale` already applied."""
+        if self.simulation is None or self.profile is None:
+            raise ConfigError(f"deployment {self.name!r}: a time scale needs engine: simulated")
+        if factor <= 0:
+            raise ConfigError(f"a time scale must be above 0, got {factor:g}")
+        simulation = replace(self.simulation, time_scale=self.simulation.time_scale * factor)
+        return replace(self, profile=_scaled(self.profile, factor), simulation=simulation)
+
     @property
     def max_batch(self) -> int | None:
         """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
@@ -200,7 +210,11 @@ def _profile(spec: ModelsFile, name: str | None, simulation: Simulation | None) 
     admission control and the simulator all keep the same time."""
     if name is None:
         return None
-    profile, factor = spec.profiles[name], simulation.time_scale if simulation else 1.0
+    profile = spec.profiles[name]
+    return _scaled(profile, simulation.time_scale) if simulation else profile
+
+
+def _scaled(profile: Profile, factor: float) -> Profile:
     if factor == 1.0:
         return profile
     models = {

@@ -34,6 +34,12 @@ def main() -> int:
         "can start within its class's budget; none dispatches everything",
     )
     parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="simulated engines only: multiply every time of the latency profile by this "
+        "(0.001: engines a thousand times faster, to load the front-end alone)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -48,11 +54,13 @@ def main() -> int:
     args = parser.parse_args()
     setup = prepare(parser, args)
     deployment = setup.deployment
-    if args.admission is not None:
-        try:
+    try:
+        if args.admission is not None:
             deployment = deployment.with_admission(args.admission)
-        except ConfigError as exc:
-            parser.error(str(exc))
+        if args.time_scale is not None:
+            deployment = deployment.with_time_scale(args.time_scale)
+    except ConfigError as exc:
+        parser.error(str(exc))
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app

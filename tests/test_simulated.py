@@ -260,3 +260,16 @@ def test_the_paper_deployment_serves_live(twin: Server) -> None:
     assert answer.headers["x-replica"].endswith(reply["model"])
     labels = {"qos_class": answer.headers["x-qos-class"], "model": reply["model"], "outcome": "ok"}
     wait_until(lambda: twin.metric("serving_requests_total", **labels) >= 1)
+
+
+def test_the_servers_time_scale_applies_on_top_of_the_files() -> None:
+    twin = load_deployment(name="paper-4gpu-sim")
+    faster = twin.with_time_scale(0.001)
+    assert twin.profile is not None and faster.profile is not None
+    before, after = twin.profile.models["opt-6.7b"], faster.profile.models["opt-6.7b"]
+    assert after.step_s[1] == pytest.approx(before.step_s[1] * 0.001)
+    assert faster.simulation is not None and faster.simulation.time_scale == pytest.approx(0.001)
+    with pytest.raises(ConfigError, match="needs engine: simulated"):
+        load_deployment(name="paper-4gpu").with_time_scale(0.001)
+    with pytest.raises(ConfigError, match="above 0"):
+        twin.with_time_scale(0)

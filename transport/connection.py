@@ -245,7 +245,7 @@ class CoalescingProtocol(QuicConnectionProtocol):
         # aioquic's own transmits after every datagram. Most of them are the peer's ACKs of
         # what was just sent (aioquic's client acknowledges every packet), so at a few thousand
         # token events a second that was one full walk of the streams per ACK on top of one
-        # per write (profiled: 28% of the server's time at 48 req/s on paper-4gpu-sim).
+        # per write (profiled at 48 req/s on paper-4gpu-sim: 14% of the server's samples).
         self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
         self._process_events()
         self.transmit_soon()
