@@ -356,6 +356,8 @@ class Generation:
         self._owed = assumed_output_tokens(request)
         """Output tokens this request may still get: its share of the replica's `owed`."""
         replica.owed += self._owed
+        self._holds_replica = True
+        """Counted in the replica's running and owed: until the engine is done with it."""
         self._released = False
         self._complete = False
         """The engine finished the answer; it counts as ok once `delivered`."""
@@ -374,6 +376,12 @@ class Generation:
             self._queue.put_nowait(_END)
         except Exception as exc:
             self._queue.put_nowait(exc)
+        finally:
+            # The engine holds the request no more, so neither does its replica, whatever the
+            # client has yet to read: a client that died mid-stream holds its response until
+            # the connection's idle timeout (a minute over QUIC), and the router and admission
+            # control would count it as running all that while.
+            self._free_replica()
 
     async def first_token(self) -> None:
         """Wait for the first token under the class's deadline.
@@ -482,6 +490,13 @@ class Generation:
         )
         self.gateway.metrics.finish(record, outcome, slo_met)
 
+    def _free_replica(self) -> None:
+        if self._holds_replica:
+            self._holds_replica = False
+            self.replica.running -= 1
+            self.replica.owed -= self._owed
+            self._owed = 0
+
     async def aclose(self) -> None:
         """Free the replica and, if the engine still works on the request, abort it there.
         A request closed before it finished counts as cancelled by the client."""
@@ -489,9 +504,7 @@ class Generation:
         if self._released:
             return
         self._released = True
-        self.replica.running -= 1
-        self.replica.owed -= self._owed
-        self._owed = 0
+        self._free_replica()
         if self._outcome != _RETRIED:
             self._on_end()
         if self._outcome == outcomes.OK and not self._pump.done():
