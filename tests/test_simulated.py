@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -15,10 +16,13 @@ import yaml
 from config import ConfigError, load_deployment, resolve
 from config.deployment import Simulation
 from config.schema import Faults, ModelsFile
+from router.policies import make_policy
 from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
 from serving.engines.prompts import output_budget
 from serving.engines.simulated import SimulatedCluster, SimulatedEngine
-from serving.replicas import Backoff, Replica, Supervisor
+from serving.gateway import Gateway
+from serving.metrics import Metrics
+from serving.replicas import Backoff, Replica, ReplicaSet, Supervisor
 from tests.conftest import (
     ROOT,
     Server,
@@ -109,6 +113,16 @@ async def test_a_prompt_longer_than_the_context_gets_vllms_400(engine: Simulated
     too_much = request("b", 2048)
     with pytest.raises(InvalidRequest, match="However, you requested"):
         await collect(engine, too_much, EXACT)
+    assert engine.unfinished() == 0
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenised(
+    engine: SimulatedEngine,
+) -> None:
+    hostile = request("huge", 10, prompt="a" * 3_000_000)  # under the 4 MB body limit
+    with pytest.raises(InvalidRequest, match="3000000 characters") as refused:
+        await collect(engine, hostile, EXACT)
+    assert refused.value.code == "context_length_exceeded"
     assert engine.unfinished() == 0
 
 
@@ -273,3 +287,32 @@ def test_the_servers_time_scale_applies_on_top_of_the_files() -> None:
         load_deployment(name="paper-4gpu").with_time_scale(0.001)
     with pytest.raises(ConfigError, match="above 0"):
         twin.with_time_scale(0)
+
+
+async def test_a_reader_that_stalls_holds_its_replica_no_longer_than_the_engine() -> None:
+    # A client that died mid-stream stops reading; its response is held until the connection
+    # times out, but the replica is free, for the router and admission control, once the
+    # engine has generated the last token.
+    twin = deployment().with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    try:
+        gateway = Gateway(twin, replicas, make_policy(twin, "least-load"), Metrics(replicas))
+        stalled = dataclasses.replace(request("stalled", 32), arrival=time.monotonic())
+        generation = await gateway.start(stalled, EXACT)
+        replica = generation.replica
+        assert replica.running == 1
+        await asyncio.wait_for(_until(lambda: replica.engine.unfinished() == 0), 30)
+        await asyncio.wait_for(_until(lambda: replica.running == 0), 5)
+        assert replica.owed == 0
+        await generation.aclose()  # the connection times out: counted, and nothing goes negative
+        assert (replica.running, replica.owed) == (0, 0)
+        count = gateway.metrics.requests.labels("free-tier", replica.model, "cancelled")
+        assert count._value.get() == 1
+    finally:
+        await replicas.close()
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)

@@ -28,12 +28,24 @@ class PromptTokenizer:
             or getattr(tokenizer, "chat_template", None)
             or config.fallback_chat_template
         )
+        self._longest: int | None = None
 
-    async def ids(self, request: Request) -> list[int]:
+    async def ids(self, request: Request, max_model_len: int) -> list[int]:
         """Tokenise; a long prompt in a thread, so that it does not stall every other stream.
-        Raises InvalidRequest if the chat template refuses the conversation."""
+        Raises InvalidRequest if the chat template refuses the conversation, or, before any
+        tokenising, if the prompt has more characters than `max_model_len` of the vocabulary's
+        longest tokens hold: a 4 MB prompt would otherwise take seconds of a core in a thread
+        that cannot be stopped, long after its deadline answered the client."""
         from jinja2 import TemplateError
 
+        chars = _prompt_chars(request)
+        if chars > max_model_len * self._longest_token():
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens, and the prompt "
+                f"has {chars} characters, more than that many tokens can hold.",
+                param="messages" if request.is_chat else "prompt",
+                code="context_length_exceeded",
+            )
         try:
             if _prompt_chars(request) < _INLINE_TOKENIZE_CHARS:
                 return self._ids(request)
@@ -42,6 +54,13 @@ class PromptTokenizer:
             raise InvalidRequest(
                 f"The chat template refused the messages: {exc}", param="messages"
             ) from exc
+
+    def _longest_token(self) -> int:
+        """Characters in the vocabulary's longest token (byte-level tokens spell a character in
+        one to four, so a prompt never has fewer tokens than its characters over this)."""
+        if self._longest is None:
+            self._longest = max(len(token) for token in self.tokenizer.get_vocab())
+        return self._longest
 
     def _ids(self, request: Request) -> list[int]:
         if not request.is_chat:

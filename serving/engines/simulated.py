@@ -152,7 +152,7 @@ class SimulatedEngine:
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
         if not self.healthy() or self._prompts is None:
             raise EngineUnavailable(f"{self.config.name}: not running")
-        prompt_tokens = len(await self._prompts.ids(request))
+        prompt_tokens = len(await self._prompts.ids(request, self.max_model_len))
         tokens = output_budget(request, prompt_tokens, self.max_model_len)
         stream = self._admit(replace(request, prompt_tokens=prompt_tokens), tokens, sampling)
         try:

@@ -163,7 +163,7 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._running()  # raises EngineUnavailable before anything starts: safe to retry
-        ids = await self._prompts.ids(request)
+        ids = await self._prompts.ids(request, self.max_model_len)
         params = self._sampling_params(request, sampling, len(ids))
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
