@@ -188,7 +188,20 @@ def remote_placement(port: int) -> list[dict]:
     return [{"model": "tiny-s", "url": f"http://127.0.0.1:{port}/v1", "served_name": "tiny-s"}]
 
 
-def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
+def one_vllm_engine(name: str, model: str) -> tuple[list[dict], dict]:
+    """A placement and deployment, both `name`, of one vLLM CPU engine of `model`: for a server
+    of a test's own, which only needs an engine's processes and lifecycle."""
+    return (
+        [{"model": model, "device": "cpu", "kv_cache_gib": 0.25}],
+        {
+            "placement": name,
+            "policy": {"name": "quality-threshold"},
+            "engine_args": {"enforce_eager": True, "max_model_len": 2048},
+        },
+    )
+
+
+def test_config(tmp_dir: Path, **extra_deployments: tuple[list[dict], dict]) -> Path:
     """The shipped models.yaml for tests, written where they can point --config at it.
 
     Deadlines are the `impatient` class's business: it has one no engine can meet. The other
@@ -207,16 +220,28 @@ def test_config(tmp_dir: Path, **extra_deployments: dict) -> Path:
     for qos_class in spec["qos_classes"].values():
         qos_class["deadline_s"] = 60.0
     # Admission control would refuse the impatient class at once (429) rather than let it reach
-    # its deadline (504), which the deadline tests need; it has a server of its own (remote_test).
-    spec["deployments"]["embedded"]["admission"] = {"rule": "none"}
-    # remote_test's replica, to admission control: a first token in 1 s while it is idle, in 45 s
-    # as soon as one request runs there. With the 60 s deadlines above, that lets a real-time
-    # request in (budget 60 s) and sheds a free-tier one (budget 15 s) behind a single stream.
+    # its deadline (504), which the deadline tests need; shedding has a server of its own
+    # (`saturable`).
+    for name in ("embedded", "embedded-sim"):
+        spec["deployments"][name]["admission"] = {"rule": "none"}
+    # One simulated replica that runs one request at a time, 20 ms a token: behind a stream of
+    # 1,800 tokens, admission control expects a first token in up to 36 s. With the 60 s
+    # deadlines above, that lets a real-time request in (budget 60 s) and sheds a free-tier one
+    # (budget 15 s) for the stream's first 20 s.
     spec["profiles"]["saturable"] = {
         "hardware": "none: a stand-in for a saturated replica",
         "source": "derived",
         "how": "made up for tests/test_admission.py",
-        "models": {"tiny-s": {"prefill_s_per_token": 0.0, "step_s": {1: 1.0, 2: 45.0}}},
+        "models": {"tiny-s": {"prefill_s_per_token": 0.0, "step_s": {1: 0.02}}},
+    }
+    spec["placements"]["saturable"] = [{"model": "tiny-s", "device": "cpu"}]
+    spec["deployments"]["saturable"] = {
+        "placement": "saturable",
+        "profile": "saturable",
+        "engine": "simulated",
+        "simulation": {"tokenizer": "tiny-s"},
+        "policy": {"name": "quality-threshold"},
+        "engine_args": {"max_model_len": 2048, "max_num_seqs": 1},
     }
     spec["qos_classes"]["impatient"] = {"urgency": 7, "deadline_s": 0.001, "level": "low"}
     spec["tiers"]["anonymous"]["classes"].append("impatient")
@@ -247,11 +272,7 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
         session_dir,
         remote_test=(
             remote_placement(upstream_port),
-            {
-                "placement": "remote_test",
-                "policy": {"name": "quality-threshold"},
-                "profile": "saturable",
-            },
+            {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
         ),
     )
     # The embedded models must exist before `vllm serve` loads one of them.
@@ -319,6 +340,11 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
         session_dir,
     )
     servers["remote"].request_log = remote_log
+    for name in ("embedded-sim", "saturable"):
+        port, log = free_port(), session_dir / f"{name}-requests.jsonl"
+        command = serving_command(config, name, port, "--h3-port", "0", "--request-log", str(log))
+        servers[name] = launch(name, command, port, "/readyz", session_dir)
+        servers[name].request_log = log
     yield servers
     for server in servers.values():
         server.stop()
@@ -328,6 +354,19 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
 def server(_launched: dict[str, Server]) -> Server:
     """`python -m serving --deployment embedded`: three vLLM CPU engines."""
     return _launched["embedded"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def twin_server(_launched: dict[str, Server]) -> Server:
+    """`python -m serving --deployment embedded-sim`: the embedded deployment's replicas, router
+    and profile, on simulated engines. For routing, deadlines and limits, which need no model."""
+    return _launched["embedded-sim"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def saturable_server(_launched: dict[str, Server]) -> Server:
+    """One simulated replica that runs one request at a time (the `saturable` deployment)."""
+    return _launched["saturable"].wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -194,7 +194,9 @@ def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server: 
     wait_until(lambda: _in_flight_is_zero(server), 10, "the running counts to return to 0")
 
 
-def test_deadline_passes_before_the_first_token(server: Server) -> None:
+def test_deadline_passes_before_the_first_token(twin_server: Server) -> None:
+    # A deadline is the gateway's, whatever the engine: the embedded deployment's twin.
+    server = twin_server
     labels = {"qos_class": "impatient", "model": "tiny-l", "outcome": "deadline"}
     before = server.metric("serving_requests_total", **labels)
     r = httpx.post(

@@ -31,6 +31,7 @@ from tests.conftest import (
     free_port,
     free_udp_port,
     launch,
+    one_vllm_engine,
     processes_under,
     serving_command,
     wait_until,
@@ -56,9 +57,11 @@ def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     request_log = tmp / "requests.jsonl"
     # A drain far longer than the stream needs: the test must not depend on how fast it is.
     extra = ["--h3-port", str(h3_port), "--request-log", str(request_log), "--drain-s", "600"]
+    # One vLLM engine: what must not outlive the server is its processes, and one has them all.
+    config = write_test_config(tmp, graceful=one_vllm_engine("graceful", "tiny-l"))
     server = launch(
         "graceful",
-        serving_command(write_test_config(tmp), "embedded", port, *extra),
+        serving_command(config, "graceful", port, *extra),
         port,
         "/readyz",
         tmp,

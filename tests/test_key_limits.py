@@ -1,4 +1,5 @@
-"""Per-key limits: the limiter's arithmetic on a virtual clock, then the live server's 429s."""
+"""Per-key limits: the limiter's arithmetic on a virtual clock, then the live server's 429s (on
+the embedded deployment's twin: limits are the front door's, whatever the engine)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _chat(server: Server, key: str | None, **extra: object) -> httpx.Response:
     return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
-def test_a_key_over_its_rate_gets_429_and_other_keys_do_not(server: Server) -> None:
+def test_a_key_over_its_rate_gets_429_and_other_keys_do_not(twin_server: Server) -> None:
+    server = twin_server
     limited = {"tier": "anonymous", "limit": "rate"}
     before = server.metric("serving_limited_total", **limited)
     assert [_chat(server, METERED_KEY).status_code for _ in range(2)] == [200, 200]
@@ -69,8 +71,11 @@ def test_a_key_over_its_rate_gets_429_and_other_keys_do_not(server: Server) -> N
     assert _chat(server, None).status_code == 200  # the anonymous bucket is another one
 
 
-def test_a_key_at_its_concurrency_limit_gets_429_until_its_request_ends(server: Server) -> None:
-    # Long enough (about 2,000 tokens on the biggest model) to be still running when asked.
+def test_a_key_at_its_concurrency_limit_gets_429_until_its_request_ends(
+    twin_server: Server,
+) -> None:
+    server = twin_server
+    # Long enough to be still running when asked: 2,000 tokens at tiny-l's 25 ms a step.
     body = {"model": "tiny-l", "messages": HELLO, "max_tokens": 2000, "ignore_eos": True}
     headers = {"authorization": f"Bearer {SINGLE_KEY}"}
     with httpx.stream(

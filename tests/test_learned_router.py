@@ -164,12 +164,14 @@ def test_late_credit_lands_on_the_transition_that_routed_each_request() -> None:
     assert sum(expected.values()) > 0
 
 
-def test_the_shipped_policy_routes_live_requests(server: Server) -> None:
+def test_the_shipped_policy_routes_live_requests(twin_server: Server) -> None:
     """The embedded deployment names its trained policy; a request with model "auto" goes to the
     model that policy picks for the gateway's own observation: idle replicas, the request's task
     and class, and the rate estimate the gateway exposes. The test server's models.yaml has a
-    class more than the policy was trained with, which must not stop it from loading."""
-    embedded = load_deployment(ROOT / "models.yaml", "embedded")
+    class more than the policy was trained with, which must not stop it from loading. Served by
+    the deployment's twin (embedded-sim): the same replicas, policy and gateway."""
+    server = twin_server
+    embedded = load_deployment(ROOT / "models.yaml", "embedded-sim")
     assert embedded.policy.name == "dqn"
     policy = DqnPolicy.load(embedded.policy.path or "")
     policy.check_fits(embedded)

@@ -28,6 +28,7 @@ from tests.conftest import (
     Server,
     free_port,
     launch,
+    one_vllm_engine,
     processes_under,
     remote_placement,
     serving_command,
@@ -114,14 +115,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     null_port = free_port()
     config = write_test_config(
         work,
-        supervised=(
-            [{"model": "tiny-s", "device": "cpu", "kv_cache_gib": 0.25}],
-            {
-                "placement": "supervised",
-                "policy": {"name": "quality-threshold"},
-                "engine_args": {"enforce_eager": True, "max_model_len": 2048},
-            },
-        ),
+        supervised=one_vllm_engine("supervised", "tiny-s"),
         remote_null=(
             remote_placement(null_port),
             {"placement": "remote_null", "policy": {"name": "quality-threshold"}},
