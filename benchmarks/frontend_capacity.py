@@ -9,15 +9,19 @@ request asks for `--tokens` tokens with ignore_eos and is counted by its `data: 
   multiplied by `--time-scale` (0.001: OPT-6.7B steps in about 20 us), so the twelve simulated
   engines are never the bottleneck; the whole path, HTTP/3 or HTTP/1.1 -> classification ->
   gateway -> DQN router -> simulated engine -> the event stream back;
-- `starlette/h1`: a bare Starlette endpoint under uvicorn that streams the same chunk bytes;
-- `aioquic/h3`: a bare aioquic HTTP/3 server that streams them, one `send_data` and transmit
-  an event, as a naive server would.
+- `starlette/h1`: a bare Starlette endpoint under uvicorn that streams the same chunk bytes,
+  one event per pass of the event loop, as tokens come from an engine;
+- `aioquic/h3`: a bare aioquic HTTP/3 server that streams them the same way, one `send_data`
+  and transmit an event, as a naive server would;
+- `starlette-burst/h1` (not in the default targets): the Starlette endpoint writing all of a
+  response's chunks back to back without yielding. No token stream arrives so; it measures how
+  fast uvicorn's writes go, which the kernel coalesces into a few segments.
 
 The streams in flight rise through `--levels` until the events a second stop growing by 5%.
 For each target: its peak, the server's CPU per 1,000 events there, and the client's CPU (a
 client on a full core may have timed itself). Then the ratios the issue asks for: full/h3 to
 aioquic/h3, full/h1 to starlette/h1. With --profile, py-spy samples the full server at its peak
-over HTTP/3 and the top frames are printed.
+over each protocol and the top frames are printed.
 
     python benchmarks/frontend_capacity.py            # about 5 minutes on 2 cores
 """
@@ -64,7 +68,7 @@ GROWTH = 1.05
 # -- the bare servers ---------------------------------------------------------------------------
 
 
-def serve_starlette(port: int) -> None:
+def serve_starlette(port: int, burst: bool = False) -> None:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -77,6 +81,8 @@ def serve_starlette(port: int) -> None:
         async def events() -> Any:
             for _ in range(tokens):
                 yield CHUNK
+                if not burst:
+                    await asyncio.sleep(0)
             yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -343,7 +349,7 @@ def ramp(target: str, port: int, pid: int, args: argparse.Namespace) -> list[dic
         row = drive(target, port, pid, streams, args)
         rows.append(row)
         print(
-            f"  {target:<13} {streams:>5} streams: {row['events_per_s']:>8.0f} events/s, "
+            f"  {target:<18} {streams:>5} streams: {row['events_per_s']:>8.0f} events/s, "
             f"server {row['server_cores']:.2f} cores, {row['server_cpu_ms_per_1000_events']:.0f} "
             f"ms CPU/1000 events, client {row['client_cores']:.2f} cores, "
             f"{row['errors']} errors",
@@ -354,12 +360,14 @@ def ramp(target: str, port: int, pid: int, args: argparse.Namespace) -> list[dic
     return rows
 
 
-def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Path) -> list[str]:
-    """py-spy's view of the full server at `streams` over HTTP/3: the functions where its samples
+def profile(
+    target: str, pid: int, port: int, streams: int, args: argparse.Namespace, out: Path
+) -> list[str]:
+    """py-spy's view of the full server at `streams` on `target`: the functions where its samples
     were, by own time and with what they called."""
     if shutil.which("py-spy") is None:
         return ["py-spy is not installed (pip install py-spy): no profile"]
-    raw = out / "profile-h3.txt"
+    raw = out / f"profile-{target.split('/')[1]}.txt"
     sampler = subprocess.Popen(
         [
             "py-spy",
@@ -377,7 +385,7 @@ def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Pa
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    drive("full/h3", port, pid, streams, args)
+    drive(target, port, pid, streams, args)
     sampler.wait(60)
     own, total = Counter[str](), Counter[str]()
     samples = 0
@@ -392,7 +400,7 @@ def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Pa
         own[frames[-1]] += n
         for frame in set(frames):
             total[frame] += n
-    lines = [f"{samples} samples; own time:"]
+    lines = [f"{target} at {streams} streams, {samples} samples; own time:"]
     lines += [f"  {n / samples:6.1%}  {f}" for f, n in own.most_common(15)]
     lines.append("inclusive (with what they call), below the event loop:")
     loop = ("runners.py", "base_events.py", "events.py", "runpy>", "__main__.py", "threading.py")
@@ -403,7 +411,9 @@ def profile(pid: int, port: int, streams: int, args: argparse.Namespace, out: Pa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve", choices=["starlette", "aioquic"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--serve", choices=["starlette", "starlette-burst", "aioquic"], help=argparse.SUPPRESS
+    )
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--deployment", default="paper-4gpu-sim")
     p.add_argument("--time-scale", type=float, default=0.001)
@@ -418,11 +428,14 @@ def main() -> int:
     p.add_argument("--warm-s", type=float, default=2.0)
     p.add_argument("--measure-s", type=float, default=6.0)
     p.add_argument("--targets", default="aioquic/h3,full/h3,starlette/h1,full/h1")
-    p.add_argument("--profile", action="store_true", help="py-spy the full server over HTTP/3")
+    p.add_argument("--profile", action="store_true", help="py-spy the full server at its peaks")
     p.add_argument("--out", default=str(ROOT / "results" / "frontend_capacity"))
     args = p.parse_args()
     if args.serve:
-        {"starlette": serve_starlette, "aioquic": serve_aioquic}[args.serve](args.port)
+        if args.serve == "aioquic":
+            serve_aioquic(args.port)
+        else:
+            serve_starlette(args.port, burst=args.serve == "starlette-burst")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -437,11 +450,12 @@ def main() -> int:
         with full(args, out) as (port, h3_port, pid):
             for target in [t for t in targets if t.startswith("full/")]:
                 rows += ramp(target, h3_port if target.endswith("h3") else port, pid, args)
-            if args.profile:
+            for target in [t for t in targets if t.startswith("full/")] if args.profile else []:
                 peak = max(
-                    (r for r in rows if r["target"] == "full/h3"), key=lambda r: r["events_per_s"]
+                    (r for r in rows if r["target"] == target), key=lambda r: r["events_per_s"]
                 )
-                profiled = profile(pid, h3_port, peak["streams"], args, out)
+                at = h3_port if target.endswith("h3") else port
+                profiled += profile(target, pid, at, peak["streams"], args, out)
     for target in [t for t in targets if not t.startswith("full/")]:
         with bare(target.split("/")[0], out) as (port, pid):
             rows += ramp(target, port, pid, args)
@@ -450,16 +464,21 @@ def main() -> int:
         for t in targets
     }
     print(
-        f"\n{'target':<13} {'streams':>7} {'events/s':>9} {'server cores':>12} "
+        f"\n{'target':<18} {'streams':>7} {'events/s':>9} {'server cores':>12} "
         f"{'CPU ms/1000 ev':>14} {'client cores':>12}"
     )
     for t, r in peaks.items():
         print(
-            f"{t:<13} {r['streams']:>7} {r['events_per_s']:>9.0f} {r['server_cores']:>12.2f} "
+            f"{t:<18} {r['streams']:>7} {r['events_per_s']:>9.0f} {r['server_cores']:>12.2f} "
             f"{r['server_cpu_ms_per_1000_events']:>14.0f} {r['client_cores']:>12.2f}"
         )
     ratios = {}
-    for mine, theirs in (("full/h3", "aioquic/h3"), ("full/h1", "starlette/h1")):
+    pairs = (
+        ("full/h3", "aioquic/h3"),
+        ("full/h1", "starlette/h1"),
+        ("full/h1", "starlette-burst/h1"),
+    )
+    for mine, theirs in pairs:
         if mine in peaks and theirs in peaks:
             ratios[f"{mine} / {theirs}"] = (
                 peaks[mine]["events_per_s"] / peaks[theirs]["events_per_s"]

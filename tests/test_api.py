@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
+from serving.api import _event, _Shape
+from serving.engines.base import TokenDelta
 from tests.conftest import (
     ENGINE_CORE,
     PREMIUM_KEY,
@@ -347,3 +351,35 @@ def test_oversized_body_is_refused_with_413(server: Server) -> None:
     # And the server keeps serving.
     ok = httpx.post(url, json={"messages": HELLO, "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+class _Replayed:
+    """A finished generation's deltas, for `_Shape` alone (the live tests stream real ones)."""
+
+    def __init__(self, request_id: str, texts: list[str]) -> None:
+        self.request = SimpleNamespace(request_id=request_id)
+        self.model, self.replica = "tiny-s", SimpleNamespace(name="cpu/tiny-s")
+        self.prompt_tokens, self.completion_tokens = 3, len(texts)
+        self._deltas = [TokenDelta(t, 1, 3) for t in texts[:-1]] + [
+            TokenDelta(texts[-1], 1, 3, "stop")
+        ]
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        for delta in self._deltas:
+            yield delta
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_each_event_is_its_chunk_rendered_whole(chat: bool) -> None:
+    # Events between the first and the last are rendered from a template; they must be the bytes
+    # that rendering the whole chunk gives, whatever the text and the (client-chosen) id hold.
+    texts = ["Hi", ' "quoted"', "\\back\\slash", "\x00\n\t", "é ☃ 𝄞", "", "end"]
+    for request_id in ["chatcmpl-1", 'a"\\u0000"b']:
+        generation = _Replayed(request_id, texts)
+        shape = _Shape(generation, chat)  # type: ignore[arg-type]
+        events = [e async for e in shape.sse(include_usage=False)]
+        whole = [
+            _event(shape.chunk(t, "stop" if i == len(texts) - 1 else None, i == 0))
+            for i, t in enumerate(texts)
+        ]
+        assert events == [*whole, "data: [DONE]\n\n"]
