@@ -46,8 +46,9 @@ def soak_streams(args: Namespace) -> dict:
     from aioquic.quic.events import QuicEvent, StreamDataReceived
 
     from transport.connection import ScheduledQuicConnection
+    from transport.link import LinkConfig
     from transport.schedulers import StreamSpec
-    from transport.simlink import LinkConfig, SimulatedPath
+    from transport.simlink import SimulatedPath
     from transport.tls import ensure_certificate
 
     cert = ensure_certificate(Path(tempfile.mkdtemp()), deterministic=True)

@@ -25,8 +25,8 @@ from experiments.live import server
 from experiments.output import write_csv
 from transport.client import Http3Client
 from transport.eloquent import stall_ratio
+from transport.link import GilbertElliott, LinkConfig
 from transport.relay import LossyRelay
-from transport.simlink import GilbertElliott, LinkConfig
 from workloads.chat import ChatResult, read_chat_stream
 
 

@@ -53,7 +53,8 @@ from transport.eloquent import (
     late_share,
     stall_ratio,
 )
-from transport.simlink import GilbertElliott, LinkConfig, SimulatedPath
+from transport.link import GilbertElliott, LinkConfig
+from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 from workloads.examples import corpus
 

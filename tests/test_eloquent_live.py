@@ -6,8 +6,8 @@ import json
 
 from tests.conftest import Server
 from transport.client import Http3Client
+from transport.link import GilbertElliott, LinkConfig
 from transport.relay import LossyRelay
-from transport.simlink import GilbertElliott, LinkConfig
 from workloads.chat import ChatResult, read_chat_stream
 
 BODY = {

@@ -12,8 +12,9 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
 
 from transport.connection import EXPIRED_ERROR, ScheduledQuicConnection, StreamExpired
+from transport.link import LinkConfig
 from transport.schedulers import DEFAULT_SPEC, StreamSpec
-from transport.simlink import LinkConfig, SimulatedPath
+from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 
 LONG = 100_000

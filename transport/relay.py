@@ -13,7 +13,7 @@ import asyncio
 import random
 from typing import Any
 
-from transport.simlink import LinkConfig, LinkDirection
+from transport.link import LinkConfig, LinkDirection
 
 
 class _Side(asyncio.DatagramProtocol):

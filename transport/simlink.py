@@ -4,8 +4,9 @@ aioquic is sans-IO: every call takes `now`. This drives a client and a server co
 process through a link with a rate (serialisation delay and a FIFO queue), a one-way propagation
 delay and random loss, all in virtual time under a seed. The same seed gives the same packets,
 losses and timings, so scheduler behaviour can be tested exactly and fast: seconds of link time
-take milliseconds. The kernel here has no netem (FACTS); the real-network emulator is for the
-live system, this is for tests and simulations.
+take milliseconds. The link itself is `transport.link`'s model, which the UDP relay drives too.
+The kernel here has no netem (FACTS); the real-network emulator is for the live system, this
+is for tests and simulations.
 """
 
 from __future__ import annotations
@@ -14,96 +15,19 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent
 
+from transport.link import LinkConfig, LinkDirection
+
 CLIENT_ADDR = ("10.0.0.1", 4433)
 SERVER_ADDR = ("10.0.0.2", 443)
 
+DEFAULT_LINK = LinkConfig()
+
 EventHandler = Callable[[QuicConnection, QuicEvent, float], None]
 """(the connection that produced it, the event, now)."""
-
-
-@dataclass(frozen=True)
-class GilbertElliott:
-    """Bursty loss: a two-state Markov chain stepped in fixed slots (seed 002 §4.1).
-
-    Parameters are mean durations, not the seed's p and q, whose text and figures disagree on
-    what p means. The defaults are its default case: good periods of 1,000 ms on average with
-    no loss, lossy periods of 200 ms with 90% loss, in 100 ms slots; about 15% loss overall.
-    """
-
-    good_s: float = 1.0
-    bad_s: float = 0.2
-    bad_loss: float = 0.9
-    good_loss: float = 0.0
-    slot_s: float = 0.1
-
-    @property
-    def mean_loss(self) -> float:
-        bad_share = self.bad_s / (self.good_s + self.bad_s)
-        return bad_share * self.bad_loss + (1 - bad_share) * self.good_loss
-
-
-@dataclass(frozen=True)
-class LinkConfig:
-    rate_bps: float = 5e6
-    delay_s: float = 0.025
-    """One way."""
-    loss: float = 0.0
-    """Probability that a datagram is dropped, each direction independently."""
-    bursts: GilbertElliott | None = None
-    """Bursty loss instead of `loss`, one chain per direction."""
-    queue_bytes: int = 64 * 1024
-    """Drop-tail buffer in front of the link, each direction."""
-    seed: int = 0
-
-
-@dataclass
-class LinkDirection:
-    config: LinkConfig
-    rng: random.Random
-    busy_until: float = 0.0
-    queued: list[tuple[float, int]] = field(default_factory=list)  # (departure, size) pending
-    dropped: int = 0
-    sent: int = 0
-    bytes_sent: int = 0
-    bad: bool = False
-    slot: int | None = None
-    """The Gilbert-Elliott chain's current slot; it starts good, at the first packet."""
-
-    def _lost(self, now: float) -> bool:
-        bursts = self.config.bursts
-        if bursts is None:
-            return self.rng.random() < self.config.loss
-        slot = int(now / bursts.slot_s)
-        if self.slot is None:  # live clocks start anywhere
-            self.slot = slot
-        for _ in range(slot - self.slot):  # one transition per slot boundary crossed
-            leave = bursts.slot_s / (bursts.bad_s if self.bad else bursts.good_s)
-            if self.rng.random() < leave:
-                self.bad = not self.bad
-        self.slot = max(self.slot, slot)
-        return self.rng.random() < (bursts.bad_loss if self.bad else bursts.good_loss)
-
-    def admit(self, size: int, now: float) -> float | None:
-        """The arrival time of a datagram offered now, or None if it is lost."""
-        while self.queued and self.queued[0][0] <= now:
-            heapq.heappop(self.queued)
-        if sum(s for _, s in self.queued) + size > self.config.queue_bytes:
-            self.dropped += 1
-            return None
-        start = max(now, self.busy_until)
-        self.busy_until = start + size * 8 / self.config.rate_bps
-        heapq.heappush(self.queued, (self.busy_until, size))
-        self.sent += 1
-        self.bytes_sent += size
-        if self._lost(start):
-            self.dropped += 1
-            return None
-        return self.busy_until + self.config.delay_s
 
 
 class SimulatedPath:
@@ -113,7 +37,7 @@ class SimulatedPath:
         self,
         client: QuicConnection,
         server: QuicConnection,
-        config: LinkConfig = LinkConfig(),
+        config: LinkConfig = DEFAULT_LINK,
         on_event: EventHandler = lambda connection, event, now: None,
     ) -> None:
         self.client, self.server = client, server
