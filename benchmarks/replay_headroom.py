@@ -25,20 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from experiments.live import cpu_seconds, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_P99_LAG_MS = 50.0
-
-
-def free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -100,8 +101,8 @@ class Deployment:
         top of what models.yaml's `simulation.time_scale` already applied."""
         if self.simulation is None or self.profile is None:
             raise ConfigError(f"deployment {self.name!r}: a time scale needs engine: simulated")
-        if factor <= 0:
-            raise ConfigError(f"a time scale must be above 0, got {factor:g}")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"a time scale must be a number above 0, got {factor:g}")
         simulation = replace(self.simulation, time_scale=self.simulation.time_scale * factor)
         return replace(self, profile=_scaled(self.profile, factor), simulation=simulation)
 

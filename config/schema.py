@@ -310,6 +310,14 @@ class ModelsFile(Strict):
             errors.append(f"{where}: engine: simulated needs a latency profile (profile: ...)")
         if any(e.url is not None for e in self.placements.get(dep.placement, [])):
             errors.append(f"{where}: engine: simulated cannot simulate a remote (url) replica")
+        profile = self.profiles.get(dep.profile) if dep.profile is not None else None
+        if profile is not None:
+            models = {e.model for e in self.placements.get(dep.placement, [])}
+            if missing := sorted(models - set(profile.models)):
+                errors.append(
+                    f"{where}: profile {dep.profile!r} has no step times for {', '.join(missing)}, "
+                    "which a simulated engine needs"
+                )
         simulation = dep.simulation or SimulationSpec()
         if simulation.tokenizer is not None and simulation.tokenizer not in self.models:
             errors.append(f"{where}.simulation.tokenizer: unknown model {simulation.tokenizer!r}")

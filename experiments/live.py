@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -25,6 +26,12 @@ def free_port(kind: int) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -140,11 +147,54 @@ def live_policy(name: str) -> tuple[str | None, str]:
     `Static` does in the simulator."""
     if name.endswith(STATIC_SUFFIX):
         return None, name.removesuffix(STATIC_SUFFIX)
-    if name == "threshold":
+    if not runs_live(name):
         # The simulator's thresholds are grid-searched per run; the server's come from
         # models.yaml, so the two would not be the same policy.
         raise ValueError("the tuned threshold policy does not run live")
     return name, "auto"
+
+
+def runs_live(name: str) -> bool:
+    """Whether a policy of the seed's experiments has a live counterpart (see `live_policy`)."""
+    return name != "threshold"
+
+
+def add_live_arguments(parser: argparse.ArgumentParser) -> None:
+    """--live and --connections, for an experiment that can run its workloads live too."""
+    parser.add_argument("--live", action="store_true",
+                        help="run the same workloads on the live server too (use a deployment "
+                        "it can serve here: paper-4gpu-sim)")  # fmt: skip
+    parser.add_argument("--connections", type=int, default=4,
+                        help="--live: QUIC connections of the load generator")  # fmt: skip
+
+
+def check_live_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.live and args.policy_file is not None:
+        parser.error("--policy-file is the simulator's alone: the live server runs the "
+                     "deployment's own policy, so --live cannot compare the two")  # fmt: skip
+
+
+def live_row(record: dict) -> dict[str, object]:
+    """What a live run adds to its row: whether the load generator kept up, the server's CPU,
+    and the requests that failed."""
+    return {
+        "client_kept_up": record["client"]["kept_up"],
+        "server_cores": record["server_cores"],
+        "errored": record["summary"]["errored"],
+        "errors": json.dumps(record["summary"]["errors"]),
+    }
+
+
+def warn_of_trouble(rows: Sequence[dict[str, object]], folder: Path) -> None:
+    """Say which live runs cannot be taken at face value: the load generator fell behind its
+    schedule, or requests failed (the records in `folder` say which and why)."""
+    behind = sum(not r["client_kept_up"] for r in rows)
+    errored = sum(int(r["errored"]) for r in rows)  # type: ignore[call-overload]
+    if behind:
+        print(f"warning: the load generator fell behind in {behind} live run(s); see {folder}")
+    if errored:
+        failing = sum(bool(r["errored"]) for r in rows)
+        print(f"warning: {errored} live request(s) failed, in {failing} run(s); see {folder}")
 
 
 def run_live(
@@ -167,7 +217,7 @@ def run_live(
     extra = ["--config", str(config), "--admission", admission, "--request-log", "off"]
     log = out.with_suffix(".server.log")
     with server(deployment, server_policy, log, extra=extra, ready_path="/readyz") as live:
-        cpu, start = metric(live.url, "process_cpu_seconds_total"), time.monotonic()
+        cpu = metric(live.url, "process_cpu_seconds_total")
         record = replay(
             f"https://127.0.0.1:{live.h3_port}",
             out,
@@ -176,5 +226,7 @@ def run_live(
             proto="h3",
         )  # fmt: skip
         spent = metric(live.url, "process_cpu_seconds_total") - cpu
-        record["server_cores"] = spent / (time.monotonic() - start)
+        # Over the run the load generator timed, not its process's life: its start-up and the
+        # writing of its record leave the server idle.
+        record["server_cores"] = spent / record["summary"]["duration_s"]
     return record

@@ -16,7 +16,6 @@ the table with the targets' checks.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -42,7 +41,9 @@ def row(
     policy: str, rate: float, seed: int, done: Sequence[Outcome], deployment: Deployment
 ) -> dict[str, object]:
     """One run's line of the table, from its requests, simulated or live alike."""
-    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    # From arrival, as the simulator counts it: a live request that waited in the client for
+    # stream credit waited as long as one queued at a simulated engine.
+    ttfts = [t for o in done if (t := o.ttft_from_arrival_s) is not None]
     result: dict[str, object] = {
         "policy": policy,
         "rate": rate,
@@ -90,14 +91,10 @@ def run_live(
                  f"{args.duration:g}", "--seed", str(seed)]  # fmt: skip
         out = folder / f"{name}-{rate:g}-{seed}.json"
         record = live.run_live(
-            deployment.name, args.config, name, flags, out, connections=args.connections
+            deployment.name, args.config, name, flags, out, args.admission, args.connections
         )
         done = [Outcome(**o) for o in record["requests"]]
-        rows.append(row(name, rate, seed, done, deployment) | {
-            "client_kept_up": record["client"]["kept_up"],
-            "server_cores": record["server_cores"],
-            "errors": json.dumps(record["summary"]["errors"]),
-        })  # fmt: skip
+        rows.append(row(name, rate, seed, done, deployment) | live.live_row(record))
     return rows
 
 
@@ -226,6 +223,7 @@ def agreement(sim: list[dict[str, object]], real: list[dict[str, object]]) -> li
     lines = [f"fixed per-request TTFT overhead (at {rates[0]:g} req/s): {overhead:.1f} ms",
              f"{'policy':>16} {'rate':>6} {'reward sim':>10} {'live':>7} {'diff':>7}  "
              f"{'TTFT sim':>9} {'live':>8} {'diff':>8} {'allowed':>8}"]  # fmt: skip
+    behind = {(str(r["policy"]), float(r["rate"])) for r in real if not r["client_kept_up"]}  # type: ignore[arg-type]
     for p in policies:
         for rate in rates:
             d = reward_live[p, rate] - reward_sim[p, rate]
@@ -236,6 +234,7 @@ def agreement(sim: list[dict[str, object]], real: list[dict[str, object]]) -> li
                 f"{p:>16} {rate:>6g} {reward_sim[p, rate]:>10.3f} {reward_live[p, rate]:>7.3f} "
                 f"{d:>+7.3f}{' ' if abs(d) <= 0.03 else '!'} {t_sim:>9.1f} {t_live:>8.1f} "
                 f"{t_live - t_sim:>+8.1f} {allowed:>8.1f}{mark}"
+                + ("  the client fell behind" if (p, rate) in behind else "")
             )  # fmt: skip
     lines.append("targets: |reward diff| <= 0.03; |TTFT diff| <= 10% of the simulated + the "
                  "overhead, in ms (! marks a miss)")  # fmt: skip
@@ -295,14 +294,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"rates {','.join(map(str, QUICK_RATES))}, the DQN and the "
                         "one-model baselines, one seed")  # fmt: skip
-    parser.add_argument("--live", action="store_true",
-                        help="run the same workloads on the live server too (use a deployment "
-                        "it can serve here: paper-4gpu-sim)")  # fmt: skip
-    parser.add_argument("--connections", type=int, default=4,
-                        help="--live: QUIC connections of the load generator")  # fmt: skip
+    live.add_live_arguments(parser)
     add_admission_argument(parser)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
+    live.check_live_arguments(parser, args)
     args.rates = args.rates or list(QUICK_RATES if args.quick else RATES)
     args.seeds = args.seeds or (1 if args.quick else 3)
     try:
@@ -320,7 +316,8 @@ def main() -> int:
         print(line)
     print(f"wrote {stem}.csv and {stem}.png")
     if args.live:
-        policies = list(dict.fromkeys(str(r["policy"]) for r in rows if r["policy"] != "threshold"))
+        names = dict.fromkeys(str(r["policy"]) for r in rows)
+        policies = [p for p in names if live.runs_live(p)]
         real = run_live(args, deployment, policies)
         both = [r | {"mode": "live"} for r in real]
         both += [r | {"mode": "simulated"} for r in rows if r["policy"] in policies]
@@ -331,10 +328,7 @@ def main() -> int:
             print(line)
         for line in agreement(rows, real):
             print(line)
-        behind = sum(not r["client_kept_up"] for r in real)
-        if behind:
-            print(f"warning: the load generator fell behind in {behind} live run(s); see "
-                  f"{args.results / f'stable-{deployment.name}-live'}")  # fmt: skip
+        live.warn_of_trouble(real, args.results / f"stable-{deployment.name}-live")
         print(f"wrote {stem}-live.csv and {stem}-live.png")
     return 0
 

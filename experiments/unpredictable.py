@@ -82,11 +82,9 @@ def run_live(
                  "--seed", str(seed), "--window", str(args.window)]  # fmt: skip
         out = folder / f"{name}-{seed}.json"
         record = live.run_live(
-            deployment.name, args.config, name, flags, out, connections=args.connections
+            deployment.name, args.config, name, flags, out, args.admission, args.connections
         )
-        rows.append(
-            row(name, seed, record["summary"]) | {"client_kept_up": record["client"]["kept_up"]}
-        )
+        rows.append(row(name, seed, record["summary"]) | live.live_row(record))
         if seed == 0:
             traces[name] = np.asarray(record["summary"]["windows"]["mean_reward"])
     return rows, traces
@@ -112,15 +110,12 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=None, help="default: 3 (1 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="the DQN and the biggest model alone, one seed of 300 s")  # fmt: skip
-    parser.add_argument("--live", action="store_true",
-                        help="run the same workloads on the live server too (use a deployment "
-                        "it can serve here: paper-4gpu-sim)")  # fmt: skip
-    parser.add_argument("--connections", type=int, default=4,
-                        help="--live: QUIC connections of the load generator")  # fmt: skip
+    live.add_live_arguments(parser)
     add_admission_argument(parser)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
+    live.check_live_arguments(parser, args)
     args.duration = args.duration or (300.0 if args.quick else 600.0)
     args.seeds = args.seeds or (1 if args.quick else 3)
     try:
@@ -154,7 +149,7 @@ def main() -> int:
     plot([("simulated", traces)], arrivals, args.duration, Path(f"{stem}.png"), args.window)
     print(f"wrote {stem}.csv and {stem}.png")
     if args.live:
-        names = [p for p in policies if p != "threshold"]
+        names = [p for p in policies if live.runs_live(p)]
         real, live_traces = run_live(args, deployment, names)
         both = [r | {"mode": "live"} for r in real]
         both += [r | {"mode": "simulated"} for r in rows if r["policy"] in names]
@@ -163,8 +158,7 @@ def main() -> int:
         sim_traces = {n: t for n, t in traces.items() if n in names}
         plot([("simulated", sim_traces), ("live", live_traces)], arrivals, args.duration,
              Path(f"{stem}-live.png"), args.window)  # fmt: skip
-        if behind := sum(not r["client_kept_up"] for r in real):
-            print(f"warning: the load generator fell behind in {behind} live run(s)")
+        live.warn_of_trouble(real, args.results / f"unpredictable-{deployment.name}{args.tag}-live")
         print(f"wrote {stem}-live.csv and {stem}-live.png")
     return 0
 

@@ -9,13 +9,38 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from serving.engines.base import Sampling
 from workloads import Message
 
 # Far beyond any context window here; a bigger value is a client bug, refused before routing.
 MAX_TOKENS_LIMIT = 1_000_000
+
+
+def _unicode(text: str) -> str:
+    # JSON may escape a lone surrogate ("\ud800"), which Python decodes to a str that is not
+    # Unicode text: every tokenizer fails on it, which would surface as an engine's 500.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise ValueError(f"not Unicode text: a lone surrogate ({bad}) at {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string of text a model reads: what a request may say in JSON but no tokenizer can take is a
+400, whatever the engine."""
+StopText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+"""An empty stop string would end every answer before its first token."""
 
 
 def asked_for(body: object) -> tuple[str, int | None]:
@@ -35,13 +60,20 @@ def asked_for(body: object) -> tuple[str, int | None]:
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_is_text(cls, content: str | list[TextPart]) -> str | list[TextPart]:
+        # Here rather than as the union's Text type, so that an error names the field
+        # messages.N.content, not the union's branch.
+        return _unicode(content) if isinstance(content, str) else content
 
     def to_message(self) -> Message:
         text = (
@@ -71,7 +103,9 @@ class GenerateRequest(BaseModel):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: Annotated[list[StopText], Field(max_length=4)] | None = None
+    """One string or a list of them; read as a list, so that an error names what is wrong with
+    it, not that it failed to be each of a union's types."""
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -90,12 +124,16 @@ class GenerateRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop: object) -> object:
+        return [stop] if isinstance(stop, str) else stop
+
     def sampling(self) -> Sampling:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return Sampling(
             temperature=self.temperature,
             top_p=self.top_p,
-            stop=stop,
+            stop=tuple(self.stop or ()),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -120,9 +158,14 @@ class ChatCompletionRequest(GenerateRequest):
 
 
 class CompletionRequest(GenerateRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: str | Annotated[list[Text], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
     suffix: Literal[None] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(cls, prompt: str | list[str]) -> str | list[str]:
+        return _unicode(prompt) if isinstance(prompt, str) else prompt  # see ChatMessage's
 
     @property
     def text(self) -> str:

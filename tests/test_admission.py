@@ -358,12 +358,14 @@ def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(saturable_serv
                 headers={"authorization": f"Bearer {PREMIUM_KEY}"},
                 timeout=60,
             )
-            wait_until(
-                lambda: server.metric("serving_engine_unfinished", **replica) == 2,
-                10,
-                "the real-time request to reach the engine",
-            )
-            done.set()
+            try:
+                wait_until(
+                    lambda: server.metric("serving_engine_unfinished", **replica) == 2,
+                    10,
+                    "the real-time request to reach the engine",
+                )
+            finally:
+                done.set()  # else a failure waits out the stream before it is reported
             served = real_time.result()
         assert served.status_code == 200, served.text
         assert served.headers["x-qos-class"] == "real-time"

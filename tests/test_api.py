@@ -287,6 +287,18 @@ BAD_INPUTS = {
         "model_not_found",
     ),
     "n above 1": ("/v1/chat/completions", {"messages": HELLO, "n": 2}, 400, "invalid_value"),
+    "lone surrogate": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "invalid_value",
+    ),
+    "empty stop string": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "stop": [""]},
+        400,
+        "invalid_value",
+    ),
     "unknown task": (
         "/v1/chat/completions",
         {"messages": HELLO, "task": "chess"},
@@ -374,7 +386,7 @@ async def test_each_event_is_its_chunk_rendered_whole(chat: bool) -> None:
     # Events between the first and the last are rendered from a template; they must be the bytes
     # that rendering the whole chunk gives, whatever the text and the (client-chosen) id hold.
     texts = ["Hi", ' "quoted"', "\\back\\slash", "\x00\n\t", "é ☃ 𝄞", "", "end"]
-    for request_id in ["chatcmpl-1", 'a"\\u0000"b']:
+    for request_id in ["chatcmpl-1", 'a"\\u0000"b', "\x00"]:
         generation = _Replayed(request_id, texts)
         shape = _Shape(generation, chat)  # type: ignore[arg-type]
         events = [e async for e in shape.sse(include_usage=False)]

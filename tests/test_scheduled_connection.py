@@ -121,6 +121,26 @@ def test_a_late_high_priority_stream_overtakes_twenty_long_ones(scheduler, certi
     assert all(t.received == t.size for t in bench.transfers.values())
 
 
+@pytest.mark.parametrize("scheduler", ["fcfs", "rr", "edf", "abs", "pifo", "ml"])
+def test_a_stream_that_sent_all_it_had_does_not_hold_up_the_next(scheduler, certificate):
+    # Three streams' bytes go out together; aioquic learns that they have nothing more only when
+    # it next asks each for a frame. B's write must leave in the next transmit all the same.
+    bench = Bench(scheduler, certificate)
+    opened = []
+    for _ in range(4):  # an id is taken once the stream has data
+        opened.append(bench.client.get_next_available_stream_id())
+        bench.client.send_stream_data(opened[-1], b"q")
+    bench.path.run(until=lambda: all(s in bench.server._streams for s in opened))
+    *first, b = opened
+    now = bench.path.now + 1.0  # every ACK exchanged: nothing else left to send
+    for stream_id in first:
+        bench.server.send_stream_data(stream_id, b"x" * 10)
+    assert bench.server.datagrams_to_send(now)
+    bench.server.send_stream_data(b, b"y" * 10)
+    assert bench.server.datagrams_to_send(now + 0.001)
+    assert bench.server._streams[b].sender.highest_offset == 10
+
+
 def test_fcfs_serves_in_arrival_order(certificate):
     bench = Bench("fcfs", certificate)
     ids = [bench.open(SHORT * 4) for _ in range(5)]

@@ -17,8 +17,14 @@ from config import ConfigError, load_deployment, resolve
 from config.deployment import Simulation
 from config.schema import Faults, ModelsFile
 from router.policies import make_policy
-from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
-from serving.engines.prompts import output_budget
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
+from serving.engines.prompts import _INLINE_TOKENIZE_CHARS, output_budget
 from serving.engines.simulated import SimulatedCluster, SimulatedEngine
 from serving.gateway import Gateway
 from serving.metrics import Metrics
@@ -200,16 +206,38 @@ async def test_an_engine_that_dies_ends_its_requests_and_comes_back() -> None:
     try:
         with pytest.raises(EngineError, match="died"):
             await collect(replica.engine, request("a", 1000), EXACT)
-        for _ in range(200):
-            if replica.restarts:
-                break
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(_until(lambda: replica.restarts > 0), 4)
         assert replica.restarts == 1 and replica.engine.healthy()
         deltas = await collect(replica.engine, request("b", 3), EXACT)
         assert sum(d.tokens for d in deltas) == 3
     finally:
         supervisor.cancel()
         await replica.engine.close()
+
+
+async def test_a_reused_request_id_gets_only_its_own_tokens(engine: SimulatedEngine) -> None:
+    # A client may choose its request's id: one aborted mid-iteration frees the id, and the next
+    # request with it must not take the token the iteration made for the first.
+    first = engine.generate(request("same", 500), EXACT)
+    await anext(first)
+    await first.aclose()  # between iterations' ends: the running iteration still holds its job
+    deltas = await collect(engine, request("same", 3), EXACT)
+    assert sum(d.tokens for d in deltas) == 3
+    assert deltas[-1].finish_reason == "length"
+
+
+async def test_a_request_that_reaches_a_dead_engine_is_refused_not_held(
+    engine: SimulatedEngine,
+) -> None:
+    # Long enough to be tokenised in a thread: the engine dies while it is.
+    late = request("late", 5, prompt="hi " * (_INLINE_TOKENIZE_CHARS // 3 + 1))
+    pending = asyncio.ensure_future(anext(engine.generate(late, EXACT)))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    engine._die()
+    assert not engine.healthy()
+    with pytest.raises(EngineUnavailable):
+        await asyncio.wait_for(pending, 5)
 
 
 def spec_with(**deployment: object) -> dict:
@@ -233,6 +261,8 @@ def test_a_simulated_deployment_needs_a_profile_and_known_replicas() -> None:
     ))  # fmt: skip
     with pytest.raises(ConfigError, match="unknown cuda:9/opt-125m"):
         resolve(spec, "twin", ROOT)
+    with pytest.raises(ValueError, match="no step times for opt-1.3b, opt-125m, opt-6.7b"):
+        ModelsFile.model_validate(spec_with(engine="simulated", profile="embedded-measured"))
 
 
 def test_time_scale_scales_the_profile_for_everyone() -> None:
@@ -287,6 +317,17 @@ def test_the_servers_time_scale_applies_on_top_of_the_files() -> None:
         load_deployment(name="paper-4gpu").with_time_scale(0.001)
     with pytest.raises(ConfigError, match="above 0"):
         twin.with_time_scale(0)
+    with pytest.raises(ConfigError, match="above 0"):
+        twin.with_time_scale(float("nan"))
+    # On a file that already scales its times (0.01), the two factors multiply.
+    spec = ModelsFile.model_validate(spec_with(
+        engine="simulated", profile="seed-calibrated", simulation={"time_scale": 0.01}
+    ))  # fmt: skip
+    both = resolve(spec, "twin", ROOT).with_time_scale(0.1)
+    assert both.simulation is not None and both.simulation.time_scale == pytest.approx(0.001)
+    original = spec.profiles["seed-calibrated"].models["opt-6.7b"]
+    assert both.profile is not None
+    assert both.profile.models["opt-6.7b"].step_s[1] == pytest.approx(original.step_s[1] * 0.001)
 
 
 async def test_a_reader_that_stalls_holds_its_replica_no_longer_than_the_engine() -> None:

@@ -188,7 +188,7 @@ class _ClientProtocol(CoalescingProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        # A MAX_STREAMS frame may have come: aioquic has already sent what it unblocked.
+        # A MAX_STREAMS frame may have come: what it unblocked is sent in the next loop pass.
         limit = self._quic._remote_max_streams_bidi
         while self._blocked and self._blocked[0][0] // 4 < limit:
             _, future = self._blocked.popleft()

@@ -137,6 +137,11 @@ class ScheduledQuicConnection(QuicConnection):
             next_offset = stream.sender.next_offset
             yield stream
             if (stream.sender.highest_offset, stream.sender.next_offset) == (start, next_offset):
+                if stream.sender.buffer_is_empty:
+                    # It had nothing after all: aioquic clears `buffer_is_empty` only when it
+                    # next asks a stream whose last bytes went out for a frame. Not a full
+                    # packet; taken for one, the streams behind it waited a transmit each.
+                    continue
                 # It had bytes and the packet took none: the packet (or the connection's flow
                 # control) is full. The streams not yet popped keep their places untouched, so
                 # the scheduler's work per packet is O(streams served), not O(streams). (The

@@ -53,9 +53,9 @@ class LinkDirection:
     config: LinkConfig
     rng: random.Random
     busy_until: float = 0.0
-    queued: deque[tuple[float, int]] = field(default_factory=deque)
+    queued: deque[tuple[float, int]] = field(default_factory=deque, init=False)
     """(departure, size) of the datagrams not yet sent on, in order."""
-    queued_bytes: int = 0
+    queued_bytes: int = field(default=0, init=False)
     dropped: int = 0
     sent: int = 0
     bytes_sent: int = 0

@@ -54,6 +54,14 @@ class Outcome:
         return self.error_kind is None
 
     @property
+    def ttft_from_arrival_s(self) -> float | None:
+        """The first token's wait from the request's scheduled arrival, on the clock the SLO and
+        a simulator use: the client's lateness and its wait for stream credit included."""
+        if self.ttft_s is None:
+            return None
+        return self.lag_s + self.credit_wait_s + self.ttft_s
+
+    @property
     def tpot_s(self) -> float | None:
         if self.e2el_s is None or self.ttft_s is None or self.output_tokens < 2:
             return None

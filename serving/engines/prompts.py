@@ -28,7 +28,10 @@ class PromptTokenizer:
             or getattr(tokenizer, "chat_template", None)
             or config.fallback_chat_template
         )
-        self._longest: int | None = None
+        # Characters in the vocabulary's longest token (byte-level tokens spell a character in
+        # one to four, so a prompt never has fewer tokens than its characters over this).
+        # A walk of the vocabulary: made once, where the engine is built, not in a request.
+        self._longest = max(len(token) for token in tokenizer.get_vocab())
 
     async def ids(self, request: Request, max_model_len: int) -> list[int]:
         """Tokenise; a long prompt in a thread, so that it does not stall every other stream.
@@ -39,7 +42,7 @@ class PromptTokenizer:
         from jinja2 import TemplateError
 
         chars = _prompt_chars(request)
-        if chars > max_model_len * self._longest_token():
+        if chars > max_model_len * self._longest:
             raise InvalidRequest(
                 f"This model's maximum context length is {max_model_len} tokens, and the prompt "
                 f"has {chars} characters, more than that many tokens can hold.",
@@ -47,20 +50,13 @@ class PromptTokenizer:
                 code="context_length_exceeded",
             )
         try:
-            if _prompt_chars(request) < _INLINE_TOKENIZE_CHARS:
+            if chars < _INLINE_TOKENIZE_CHARS:
                 return self._ids(request)
             return await asyncio.to_thread(self._ids, request)
         except TemplateError as exc:  # a model's own template may refuse a conversation
             raise InvalidRequest(
                 f"The chat template refused the messages: {exc}", param="messages"
             ) from exc
-
-    def _longest_token(self) -> int:
-        """Characters in the vocabulary's longest token (byte-level tokens spell a character in
-        one to four, so a prompt never has fewer tokens than its characters over this)."""
-        if self._longest is None:
-            self._longest = max(len(token) for token in self.tokenizer.get_vocab())
-        return self._longest
 
     def _ids(self, request: Request) -> list[int]:
         if not request.is_chat:
@@ -80,7 +76,7 @@ def output_budget(request: Request, prompt_tokens: int, max_model_len: int) -> i
     if room <= 0:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens, "
-            f"and the prompt has {prompt_tokens}.",
+            f"and the prompt has {prompt_tokens} tokens.",
             param="messages" if request.is_chat else "prompt",
             code="context_length_exceeded",
         )

@@ -135,8 +135,9 @@ class SimulatedEngine:
 
     async def start(self) -> None:
         if self._prompts is None:
-            tokenizer = await asyncio.to_thread(self.cluster.tokenizer, self.config)
-            self._prompts = PromptTokenizer(tokenizer, self.config)
+            self._prompts = await asyncio.to_thread(
+                lambda: PromptTokenizer(self.cluster.tokenizer(self.config), self.config)
+            )
         self._loop_task = asyncio.create_task(self._run(), name=f"simulate {self.config.name}")
         if self._faults and self._faults.fail_after_s is not None and not self._died:
             due = self._faults.fail_after_s - (time.monotonic() - self.cluster.started)
@@ -144,7 +145,9 @@ class SimulatedEngine:
         log.info("%s: simulated, %d slots", self.config.name, self._batch.max_batch)
 
     def healthy(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        task = self._loop_task
+        # A task cancelled by `_die` is down at once, not only when the cancellation lands.
+        return task is not None and not task.done() and not task.cancelling()
 
     def unfinished(self) -> int:
         return self._batch.in_flight
@@ -173,6 +176,8 @@ class SimulatedEngine:
             self._drop(stream)
 
     def _admit(self, request: Request, tokens: int, sampling: Sampling) -> _Stream:
+        if not self.healthy():  # it died while the prompt was tokenised
+            raise EngineUnavailable(f"{self.config.name}: not running")
         if request.request_id in self._streams:
             raise EngineError(f"{self.config.name}: request id {request.request_id} is in use")
         rng = random.Random(sampling.seed if sampling.seed is not None else request.request_id)
@@ -191,9 +196,11 @@ class SimulatedEngine:
         return stream
 
     def _drop(self, stream: _Stream) -> None:
-        """`stream` leaves the engine, however it ended."""
-        if self._streams.get(stream.job.request.request_id) is stream:
-            del self._streams[stream.job.request.request_id]
+        """`stream` leaves the engine, however it ended; once (a finished stream is dropped as
+        its last token comes, and again as its reader closes)."""
+        if self._streams.get(stream.job.request.request_id) is not stream:
+            return
+        del self._streams[stream.job.request.request_id]
         job = stream.job
         if job in self._batch.running or job in self._batch.waiting:
             self._batch.remove(job)
@@ -219,7 +226,9 @@ class SimulatedEngine:
             self._batch.end(due)
             for job in running:
                 stream = self._streams.get(job.request.request_id)
-                if stream is not None:
+                # The job's own stream: one aborted during the iteration frees its id, which
+                # a new request (a client may choose its id) can take before the iteration ends.
+                if stream is not None and stream.job is job:
                     self._token(stream)
 
     def _token(self, stream: _Stream) -> None:
@@ -255,13 +264,15 @@ class SimulatedEngine:
         """Failure injection: the engine dies with what it holds."""
         log.warning("%s: simulated engine death", self.config.name)
         self._died = True
-        self._fail_all(EngineError(f"{self.config.name}: the engine died"))
+        self._fail_all(EngineError, "the engine died")
         if self._loop_task is not None:
             self._loop_task.cancel()
 
-    def _fail_all(self, error: EngineError) -> None:
+    def _fail_all(self, kind: type[EngineError], why: str) -> None:
         for stream in list(self._streams.values()):
-            stream.error = error
+            # One exception each: raised by each stream's own task, a shared one would gather
+            # every task's frames in its traceback.
+            stream.error = kind(f"{self.config.name}: {why}")
             stream.ready.set()
             self._drop(stream)
 
@@ -278,7 +289,7 @@ class SimulatedEngine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._fail_all(EngineUnavailable(f"{self.config.name}: stopped"))
+        self._fail_all(EngineUnavailable, "stopped")
 
 
 def _stop(text: str, stops: tuple[str, ...], since: int) -> int | None:
