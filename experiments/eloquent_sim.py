@@ -59,9 +59,9 @@ from transport.tls import ensure_certificate
 from workloads.examples import corpus
 
 LOSS_PATTERNS = {
-    "default": GilbertElliott(good_s=1.0, bad_s=0.2),
-    "frequent": GilbertElliott(good_s=0.2, bad_s=0.2),
-    "long": GilbertElliott(good_s=1.0, bad_s=0.5),
+    "default": GilbertElliott(good_slots=10, bad_slots=2),
+    "frequent": GilbertElliott(good_slots=2, bad_slots=2),
+    "long": GilbertElliott(good_slots=10, bad_slots=5),
 }
 SCHEMES = ("stream", "dup-2", "dup-3", "dup-4", "dup-5", "eloquent")
 TOKEN_GAP_S = 0.1

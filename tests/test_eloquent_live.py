@@ -25,7 +25,7 @@ async def test_eloquent_over_a_lossy_link_ends_with_the_streamed_text(server: Se
     # Lossy bursts of 200 ms every 500 ms at 90% loss, 40 ms RTT. The bursts come by the clock,
     # and a fast run can finish before the first one: 5% loss between them makes sure the
     # link drops something whatever the timing.
-    bursts = GilbertElliott(good_s=0.5, good_loss=0.05)
+    bursts = GilbertElliott(good_slots=5, good_loss=0.05)
     link = LinkConfig(rate_bps=20e6, delay_s=0.02, bursts=bursts, seed=2)
     relay = LossyRelay(("127.0.0.1", server.h3_port or 0), link)
     port = await relay.start()

@@ -42,7 +42,7 @@ def _runs(flags: list[bool]) -> list[int]:
 def test_every_scheme_renders_exactly_the_streamed_text_under_heavy_loss(
     scheme: str, certificate: tuple[Path, Path]
 ) -> None:
-    link = LinkConfig(delay_s=0.1, bursts=GilbertElliott(good_s=0.2, bad_s=0.2), seed=3)
+    link = LinkConfig(delay_s=0.1, bursts=GilbertElliott(good_slots=2, bad_slots=2), seed=3)
     session = Session(scheme, link, certificate, count=60)
     session.run()
     assert session.receiver.rendered() == b"".join(tokens(60)).decode()

@@ -10,7 +10,6 @@ experiments use. One relay serves one client address.
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 from transport.link import LinkConfig, LinkDirection
@@ -34,9 +33,7 @@ class LossyRelay:
     def __init__(self, target: tuple[str, int], link: LinkConfig) -> None:
         self.target = target
         self.link = link
-        rng = random.Random(link.seed)
-        self.up = LinkDirection(link, random.Random(rng.random()))
-        self.down = LinkDirection(link, random.Random(rng.random()))
+        self.up, self.down = link.directions()
         self._client_addr: Any = None
         self._front: _Side | None = None
         self._back: _Side | None = None

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import random
 from collections.abc import Callable
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent
 
-from transport.link import LinkConfig, LinkDirection
+from transport.link import LinkConfig
 
 CLIENT_ADDR = ("10.0.0.1", 4433)
 SERVER_ADDR = ("10.0.0.2", 443)
@@ -43,9 +42,7 @@ class SimulatedPath:
         self.client, self.server = client, server
         self.config = config
         self.on_event = on_event
-        rng = random.Random(config.seed)
-        self._up = LinkDirection(config, random.Random(rng.random()))
-        self._down = LinkDirection(config, random.Random(rng.random()))
+        self._up, self._down = config.directions()
         self._in_flight: list[tuple[float, int, QuicConnection, bytes, tuple[str, int]]] = []
         self._calls: list[tuple[float, int, Callable[[float], None]]] = []
         self._order = itertools.count()
