@@ -97,7 +97,9 @@ def _route_request_log(where: str) -> None:
 
 def _announce(server: DualServer) -> None:
     host = server.listen.host
-    if server.tcp_port:
+    if server.tcp_port and server.listen.tls:
+        logging.info("HTTP/1.1 and HTTP/2 on https://%s:%d", host, server.tcp_port)
+    elif server.tcp_port:
         logging.info("HTTP/1.1 on http://%s:%d", host, server.tcp_port)
     if server.udp_port:
         logging.info("HTTP/3 on https://%s:%d (UDP)", host, server.udp_port)

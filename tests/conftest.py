@@ -93,6 +93,8 @@ class Server:
     h3_port: int | None = None
     request_log: Path | None = None
     """`python -m serving --request-log`: one JSON line per request."""
+    tls: bool = False
+    """`--tls`: HTTPS on `port`, under the self-signed certificate."""
 
     def requests_logged(self) -> list[dict]:
         assert self.request_log is not None, f"{self.name} keeps no request log"
@@ -115,7 +117,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> Server:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -123,7 +125,8 @@ class Server:
             if self.process.poll() is not None:
                 pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
             try:
-                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
+                answer = httpx.get(self.url + self.health_path, timeout=2, verify=False)
+                if answer.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -25,7 +25,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
     parser.add_argument("--config", default=str(DEFAULT_PATH), help="path to models.yaml")
     parser.add_argument("--deployment", help="a deployment of models.yaml (default: its default)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=tcp_port, help="HTTP/1.1 (TCP); 0: off")
+    parser.add_argument(
+        "--port", type=int, default=tcp_port, help="HTTP/1.1, or with --tls HTTPS (TCP); 0: off"
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="serve HTTP/1.1 and HTTP/2 over TLS on --port, with HTTP/3's certificate "
+        "(default: plain HTTP/1.1)",
+    )
     parser.add_argument("--h3-port", type=int, default=udp_port, help="HTTP/3 (UDP); 0: off")
     parser.add_argument("--cert", help="TLS certificate (PEM); default: a self-signed one")
     parser.add_argument("--key", help="its private key (PEM)")
@@ -85,7 +93,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         if port and (problem := _cannot_listen(args.host, port, kind)):
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
-    listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s)
+    listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s, args.tls)
     return ServerSetup(deployment, listen, str(cert), str(key), args.scheduler, args.max_streams)
 
 

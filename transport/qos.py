@@ -207,13 +207,7 @@ class QosClassifier:
         return tier is not None and self.tiers[tier].trusted_edge
 
     def _spec(self, name: str, arrival: float, soft_deadlines: bool) -> StreamSpec:
-        qos_class = self.classes[name]
-        return StreamSpec(
-            priority=7 - qos_class.urgency,
-            deadline=arrival + qos_class.deadline_s,
-            high=qos_class.level == "high",
-            soft=soft_deadlines,
-        )
+        return stream_spec(self.classes[name], arrival, soft_deadlines)
 
     def _known_key(self, authorization: str | None) -> str | None:
         """The request's API key if this server knows it. An unknown key counts as none: OpenAI
@@ -222,6 +216,17 @@ class QosClassifier:
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
         return key if scheme.lower() == "bearer" and key in self.api_keys else None
+
+
+def stream_spec(qos_class: QosClass, arrival: float, soft_deadlines: bool = True) -> StreamSpec:
+    """How a stream of this class is scheduled: by the server for its response, and by a client
+    that schedules its uploads the same way."""
+    return StreamSpec(
+        priority=7 - qos_class.urgency,
+        deadline=arrival + qos_class.deadline_s,
+        high=qos_class.level == "high",
+        soft=soft_deadlines,
+    )
 
 
 def _age(value: str | None) -> float:

@@ -1,4 +1,5 @@
-"""Serve one ASGI app over HTTP/3 (UDP) and HTTP/1.1 (TCP, uvicorn) at once.
+"""Serve one ASGI app over HTTP/3 (UDP) and HTTP/1.1 (TCP, uvicorn) at once; or, with
+`Listen.tls`, HTTP/1.1 and HTTP/2 over TLS on the TCP side (hypercorn), with the QUIC certificate.
 
 The app's lifespan runs once, here, not once per server. HTTP/1.1 answers carry `Alt-Svc` so that
 clients that can, move to HTTP/3 (RFC 7838). The HTTP/3 server tags each request at its HEADERS
@@ -17,11 +18,14 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import hypercorn.asyncio
+import hypercorn.config
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -74,6 +78,27 @@ class Listen:
     """None: no HTTP/3."""
     drain_s: float = 30.0
     """After a stop signal, how long requests in flight may go on before they are cut."""
+    tls: bool = False
+    """TCP: HTTP/1.1 and HTTP/2 over TLS (hypercorn), with HTTP/3's certificate, instead of
+    plain HTTP/1.1 (uvicorn). Browsers honour `Alt-Svc: h3` only from an HTTPS origin."""
+
+
+class WithoutLifespan:
+    """Hides the app's lifespan from a server that would run it again (hypercorn always does):
+    `DualServer` runs it once for both servers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            await send({"type": message["type"] + ".complete"})
+            if message["type"] == "lifespan.shutdown":
+                return
 
 
 class DualServer:
@@ -105,6 +130,8 @@ class DualServer:
         self._h3: Http3Server | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
+        self._hypercorn_stop = asyncio.Event()
+        self._hypercorn_task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> DualServer:
         await self._lifespan.startup()
@@ -113,7 +140,9 @@ class DualServer:
                 self._h3 = Http3Server(self.app, self.h3_settings, self.drain)
                 await self._h3.start(self.listen.host, self.listen.udp_port)
                 self.udp_port = self._h3.port
-            if self.listen.tcp_port is not None:
+            if self.listen.tcp_port is not None and self.listen.tls:
+                await self._start_tls()
+            elif self.listen.tcp_port is not None:
                 await self._start_tcp()
         except BaseException:
             await self.__aexit__(None, None, None)
@@ -174,6 +203,28 @@ class DualServer:
             await asyncio.sleep(0.01)
         self.tcp_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
 
+    async def _start_tls(self) -> None:
+        app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
+        # Bound here, not by hypercorn, so that port 0 can be read back; hypercorn owns it then.
+        listener = socket.create_server((self.listen.host, self.listen.tcp_port or 0), backlog=2048)
+        self.tcp_port = listener.getsockname()[1]
+        config = hypercorn.config.Config()
+        config.bind = [f"fd://{listener.detach()}"]
+        config.certfile, config.keyfile = self.h3_settings.certfile, self.h3_settings.keyfile
+        config.alpn_protocols = ["h2", "http/1.1"]
+        config.keep_alive_timeout = 75  # as uvicorn's, above
+        config.graceful_timeout = 5
+        config.loglevel = self.log_level.upper()
+        config.accesslog = logging.getLogger("hypercorn.access") if self.access_log else None
+        self._hypercorn_task = asyncio.create_task(
+            hypercorn.asyncio.serve(
+                WithoutLifespan(app), config, shutdown_trigger=self._hypercorn_stop.wait
+            )
+        )
+        await asyncio.sleep(0)
+        if self._hypercorn_task.done():
+            self._hypercorn_task.result()
+
     async def stop_gracefully(self, drain_s: float, hurry: asyncio.Event | None = None) -> None:
         """Refuse new requests (HTTP/3: GOAWAY first), give those in flight `drain_s` to finish
         (or until `hurry` is set), then cut the rest. The servers still run after it."""
@@ -204,6 +255,10 @@ class DualServer:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):
                 await self._uvicorn_task
+        if self._hypercorn_task is not None:
+            self._hypercorn_stop.set()
+            with contextlib.suppress(Exception):
+                await self._hypercorn_task
         await self._lifespan.shutdown()
 
 

@@ -1,0 +1,91 @@
+"""`--tls`: HTTP/1.1 and HTTP/2 over TLS on the TCP port (hypercorn), beside HTTP/3, with the same
+certificate; each serves the same chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import (
+    CERT,
+    Server,
+    free_port,
+    free_udp_port,
+    launch,
+    serving_command,
+)
+from tests.conftest import (
+    test_config as write_test_config,
+)
+from transport.client import Http3Client
+
+CHAT = {
+    "model": "auto",
+    "messages": [{"role": "user", "content": "Say something."}],
+    "max_tokens": 12,
+    "seed": 7,
+}
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    directory = tmp_path_factory.mktemp("tls")
+    port, h3_port = free_port(), free_udp_port()
+    command = serving_command(
+        write_test_config(directory), "embedded-sim", port, "--h3-port", str(h3_port), "--tls"
+    )
+    server = launch("tls", command, port, "/readyz", directory, h3_port=h3_port)
+    server.tls = True
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def over_tcp(server: Server, http2: bool) -> httpx.Response:
+    with httpx.Client(verify=str(CERT), http1=not http2, http2=http2) as client:
+        return client.post(
+            f"https://localhost:{server.port}/v1/chat/completions", json=CHAT, timeout=30
+        )
+
+
+async def over_http3(server: Server) -> tuple[int, dict]:
+    assert server.h3_port is not None
+    async with Http3Client(
+        "127.0.0.1", server.h3_port, verify=str(CERT), server_name="localhost"
+    ) as client:
+        body = json.dumps(CHAT).encode()
+        response = await client.request(
+            "POST", "/v1/chat/completions", {"content-type": "application/json"}, body
+        )
+        return response.status, json.loads(await response.read())
+
+
+def test_http1_and_http2_over_tls_serve_the_same_chat_as_http3(tls_server: Server) -> None:
+    h1, h2 = over_tcp(tls_server, http2=False), over_tcp(tls_server, http2=True)
+    status, h3 = asyncio.run(over_http3(tls_server))
+    assert (h1.http_version, h2.http_version) == ("HTTP/1.1", "HTTP/2")
+    assert (h1.status_code, h2.status_code, status) == (200, 200, 200)
+    texts = [answer["choices"][0]["message"]["content"] for answer in (h1.json(), h2.json(), h3)]
+    assert texts[0] and texts[0] == texts[1] == texts[2]
+    # An HTTPS origin advertises HTTP/3, which browsers then take.
+    assert h1.headers["alt-svc"] == h2.headers["alt-svc"] == f'h3=":{tls_server.h3_port}"; ma=86400'
+
+
+def test_plain_http_to_the_tls_port_fails_cleanly_and_the_server_goes_on(
+    tls_server: Server,
+) -> None:
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{tls_server.port}/readyz", timeout=5)
+    context = ssl.create_default_context(cafile=str(CERT))
+    assert httpx.get(f"https://localhost:{tls_server.port}/readyz", verify=context).is_success
+
+
+def test_the_certificate_is_the_one_quic_uses(tls_server: Server) -> None:
+    pem = ssl.get_server_certificate(("127.0.0.1", tls_server.port))
+    assert ssl.PEM_cert_to_DER_cert(pem) == ssl.PEM_cert_to_DER_cert(CERT.read_text())
