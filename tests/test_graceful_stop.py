@@ -322,3 +322,30 @@ def test_the_gate_hands_a_disconnect_to_the_app_after_a_cancelled_receive() -> N
                 await left.wait()
 
     asyncio.run(run())
+
+
+def test_an_app_without_lifespan_serves() -> None:
+    """ASGI lets an app that has no startup or shutdown just return from the lifespan scope: the
+    servers start and stop all the same, instead of waiting for a reply that never comes."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    cert, key = ensure_certificate()
+    server = DualServer(
+        app, Listen("127.0.0.1", 0, 0), Http3Settings(str(cert), str(key)), "warning"
+    )
+
+    async def run() -> tuple[bytes, bytes]:
+        async with asyncio.timeout(30):  # a guard against a hang, not a measurement
+            async with server, httpx.AsyncClient() as h1, Http3Client(
+                "localhost", server.udp_port, verify=str(CERT)
+            ) as h3:  # fmt: skip
+                h1_body = (await h1.get(f"http://127.0.0.1:{server.tcp_port}/")).content
+                h3_body = await (await h3.request("GET", "/")).read()
+                return h1_body, h3_body
+
+    assert asyncio.run(run()) == (b"ok", b"ok")

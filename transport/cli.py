@@ -41,6 +41,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
         "--scheduler", default="ml", choices=sorted(SCHEDULERS), help="QUIC stream scheduler"
     )
     parser.add_argument(
+        "--congestion-control",
+        default=Http3Settings.congestion_control,
+        choices=["reno", "cubic"],
+        help="HTTP/3's congestion controller (default: %(default)s, aioquic's)",
+    )
+    parser.add_argument(
         "--max-streams",
         type=int,
         default=Http3Settings.max_streams,
@@ -65,11 +71,17 @@ class ServerSetup:
     keyfile: str
     scheduler: str
     max_streams: int = Http3Settings.max_streams
+    congestion_control: str = Http3Settings.congestion_control
 
     def http3(self, tag: Tagger, **settings: int) -> Http3Settings:
         settings.setdefault("max_streams", self.max_streams)
         return Http3Settings(
-            self.certfile, self.keyfile, scheduler=self.scheduler, tag=tag, **settings
+            self.certfile,
+            self.keyfile,
+            scheduler=self.scheduler,
+            tag=tag,
+            congestion_control=self.congestion_control,
+            **settings,
         )
 
 
@@ -94,7 +106,15 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
     listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s, args.tls)
-    return ServerSetup(deployment, listen, str(cert), str(key), args.scheduler, args.max_streams)
+    return ServerSetup(
+        deployment,
+        listen,
+        str(cert),
+        str(key),
+        args.scheduler,
+        args.max_streams,
+        args.congestion_control,
+    )
 
 
 def _cannot_listen(host: str, port: int, kind: str) -> str | None:

@@ -267,11 +267,15 @@ class _ClientProtocol(CoalescingProtocol):
 
 
 def client_configuration(
-    verify: bool | str = True, server_name: str | None = None
+    verify: bool | str = True, server_name: str | None = None, congestion_control: str = "reno"
 ) -> QuicConfiguration:
-    """`verify`: True (system CAs), False (accept any certificate) or a CA/cert file path."""
+    """`verify`: True (system CAs), False (accept any certificate) or a CA/cert file path.
+    `congestion_control`: as `Http3Settings.congestion_control`."""
     configuration = QuicConfiguration(
-        is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
+        is_client=True,
+        alpn_protocols=H3_ALPN,
+        max_datagram_frame_size=65536,
+        congestion_control_algorithm=congestion_control,
     )
     if verify is False:
         configuration.verify_mode = ssl.CERT_NONE
@@ -296,10 +300,11 @@ class Http3Client:
         verify: bool | str = True,
         scheduler: str = "rr",
         server_name: str | None = None,
+        congestion_control: str = "reno",
     ) -> None:
         self.host, self.port = host, port
         self.authority = f"{host}:{port}"
-        self._configuration = client_configuration(verify, server_name or host)
+        self._configuration = client_configuration(verify, server_name or host, congestion_control)
         self._scheduler = scheduler
         self._context: Any = None
         self._protocol: _ClientProtocol | None = None
