@@ -99,6 +99,8 @@ async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
     body = bytearray()
     while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            return  # the client left (or the body passed the server's cap): nothing to echo
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
