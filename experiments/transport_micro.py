@@ -120,7 +120,7 @@ async def serve(scheduler: str, tls: bool) -> None:
     settings = Http3Settings(
         str(cert), str(key), scheduler=scheduler, tag=tag, congestion_control=CONGESTION_CONTROL
     )
-    host = os.environ.get("NETEM_SERVER", "127.0.0.1")  # its own address: UDP replies come from it
+    host = os.environ.get("NETEM_SERVER", "127.0.0.1")  # off the emulator: loopback
     listen = Listen(host, HTTP_PORT if tls else None, None if tls else H3_PORT, 1.0, tls)
     app = TagRequests(echo, tag)
     await serve_forever(DualServer(app, listen, settings, log_level="warning", access_log=False))

@@ -220,12 +220,19 @@ class Netem:
                     _ip("link", "set", device, "netns", namespace)
                     _ip("-n", namespace, "addr", "add", here, "peer", there, "dev", device)
                     _ip("-n", namespace, "link", "set", device, "up")
+                    if namespace == self.server:
+                        # Replies leave from the server's address: a server bound to 0.0.0.0
+                        # answers UDP from the route's source, and a QUIC client takes a reply
+                        # from any other address for a stranger's.
+                        _ip("-n", namespace, "route", "replace", there, "dev", device,
+                            "src", SERVER_ADDRESS)  # fmt: skip
                 links.append(LinkFds(pair[0], pair[1], config))
                 client_device = f"qn{self.instance}{i}a"
                 _ip("-n", near, "route", "add", NETWORK, "dev", client_device)
             if self.topology == "chain":
                 assert self.middle is not None
-                _ip("-n", self.server, "route", "add", NETWORK, "dev", f"qn{self.instance}1b")
+                _ip("-n", self.server, "route", "add", NETWORK, "dev", f"qn{self.instance}1b",
+                    "src", SERVER_ADDRESS)  # fmt: skip
                 _ip("-n", self.middle, "route", "del", NETWORK)
                 _ip(
                     "-n",
