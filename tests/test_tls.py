@@ -4,6 +4,7 @@ certificate; each serves the same chat."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 from collections.abc import Iterator
@@ -89,3 +90,29 @@ def test_plain_http_to_the_tls_port_fails_cleanly_and_the_server_goes_on(
 def test_the_certificate_is_the_one_quic_uses(tls_server: Server) -> None:
     pem = ssl.get_server_certificate(("127.0.0.1", tls_server.port))
     assert ssl.PEM_cert_to_DER_cert(pem) == ssl.PEM_cert_to_DER_cert(CERT.read_text())
+
+
+def test_an_oversized_body_over_http2_leaves_the_other_streams_on_its_connection_alone(
+    tls_server: Server,
+) -> None:
+    """The 413 comes before the client has sent all of its body, and the client goes on sending
+    it. That DATA, on a stream the server has closed, must not take the connection down with a
+    stream that is still answering beside it."""
+
+    async def run() -> tuple[int, bool, str]:
+        url = f"https://localhost:{tls_server.port}/v1/chat/completions"
+        async with httpx.AsyncClient(verify=str(CERT), http1=False, http2=True, timeout=30) as c:
+            chat = CHAT | {"max_tokens": 200, "stream": True}
+            async with c.stream("POST", url, json=chat) as sibling:
+                chunks = sibling.aiter_text()
+                text = await anext(chunks)  # the sibling is under way
+                # httpx sends the whole body before it reads, so it never sees the 413: the
+                # server's RST_STREAM (NO_ERROR) that stops the upload fails the request there.
+                with contextlib.suppress(httpx.HTTPError):
+                    await c.post(url, content=b"x" * (5 << 20), timeout=5)
+                text += "".join([chunk async for chunk in chunks])
+                return sibling.status_code, sibling.http_version == "HTTP/2", text
+
+    status, multiplexed, text = asyncio.run(run())
+    assert (status, multiplexed) == (200, True)
+    assert text.rstrip().endswith("data: [DONE]")

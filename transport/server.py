@@ -24,9 +24,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import h2.errors
+import h2.events
+import h2.exceptions
 import hypercorn.asyncio
 import hypercorn.config
 import uvicorn
+from hypercorn.protocol.h2 import H2Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from transport.drain import Drain, Draining
@@ -99,6 +103,35 @@ class WithoutLifespan:
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
                 return
+
+
+def _tolerate_data_after_the_response() -> None:
+    """hypercorn 0.18 takes a whole HTTP/2 connection down (a KeyError, every stream on it cut)
+    when DATA arrives for a stream it has closed: that is every request whose answer comes before
+    its body has all arrived, such as a 413 for a body past the limit. Until its fix is released
+    (pgjones/hypercorn#334), such DATA is acknowledged, so the connection's flow-control window is
+    not lost, and dropped, as that fix does; and the stream is reset with NO_ERROR, so that the
+    client stops its upload."""
+    handle_events = H2Protocol._handle_events
+    if getattr(handle_events, "tolerant", False):
+        return
+
+    async def tolerant(self: H2Protocol, events: list[h2.events.Event]) -> None:
+        for event in events:  # one at a time: a stream may close between two of them
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(
+                    event.flow_controlled_length, event.stream_id
+                )
+                # The answer is whole, so the rest of the body can stop (RFC 9113 8.1); it would
+                # wait for stream credit that a closed stream never gives.
+                with contextlib.suppress(h2.exceptions.StreamClosedError):
+                    self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+                await self._flush()
+            else:
+                await handle_events(self, [event])
+
+    tolerant.tolerant = True  # type: ignore[attr-defined]
+    H2Protocol._handle_events = tolerant  # type: ignore[method-assign]
 
 
 class DualServer:
@@ -204,6 +237,7 @@ class DualServer:
         self.tcp_port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
 
     async def _start_tls(self) -> None:
+        _tolerate_data_after_the_response()
         app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
         # Bound here, not by hypercorn, so that port 0 can be read back; hypercorn owns it then.
         listener = socket.create_server((self.listen.host, self.listen.tcp_port or 0), backlog=2048)
