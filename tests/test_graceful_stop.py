@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -349,3 +351,34 @@ def test_an_app_without_lifespan_serves() -> None:
                 return h1_body, h3_body
 
     assert asyncio.run(run()) == (b"ok", b"ok")
+
+
+def test_requests_waiting_for_stream_credit_fail_cleanly_when_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past the stream limit a request waits for credit; if the connection closes first, it fails
+    with the connection's error, and nothing is left for asyncio to log as never retrieved."""
+    cert, key = ensure_certificate()
+    server = DualServer(
+        _endless_stream,
+        Listen("127.0.0.1", None, 0),
+        Http3Settings(str(cert), str(key), max_streams=1),
+        "warning",
+    )
+
+    async def run() -> list[BaseException | None]:
+        async with server, Http3Client("localhost", server.udp_port, verify=str(CERT)) as h3:
+            await anext((await h3.request("GET", "/")).iter_bytes())  # holds the one stream
+            waiting = [asyncio.ensure_future(h3.request("GET", "/")) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert h3.stream_credit < 0
+            server._h3.close()  # type: ignore[union-attr]  # the connection goes
+            async with asyncio.timeout(30):  # a guard against a hang, not a measurement
+                done = await asyncio.gather(*waiting, return_exceptions=True)
+            return [r if isinstance(r, BaseException) else None for r in done]
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        errors = asyncio.run(run())
+        gc.collect()
+    assert all(isinstance(e, StreamError) and "connection closed" in str(e) for e in errors), errors
+    assert "never retrieved" not in caplog.text

@@ -394,6 +394,11 @@ class Http3Client:
         except asyncio.CancelledError:
             self._cancel(stream_id)
             raise
+        finally:
+            # A connection that closes fails both; the headers' failure, the same one, is
+            # taken here so that asyncio does not log it as never retrieved.
+            if pending.headers.done() and not pending.headers.cancelled():
+                pending.headers.exception()
         named = {k.decode(): v.decode() for k, v in raw}
         status = int(named.pop(":status", "0"))
         return Response(
