@@ -219,7 +219,9 @@ class Netem:
                     pair.append(fds[-1])
                     _ip("link", "set", device, "netns", namespace)
                     _ip("-n", namespace, "addr", "add", here, "peer", there, "dev", device)
-                    _ip("-n", namespace, "link", "set", device, "up")
+                    # A long device queue, so that a forwarder briefly starved of a core
+                    # delays packets instead of dropping them: loss is the link model's alone.
+                    _ip("-n", namespace, "link", "set", device, "up", "txqueuelen", "10000")
                     if namespace == self.server:
                         # Replies leave from the server's address: a server bound to 0.0.0.0
                         # answers UDP from the route's source, and a QUIC client takes a reply
