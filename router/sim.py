@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,6 +226,10 @@ class Simulator:
         self.slo = slo
         self.deadlines = deadlines or {}
         self.now = 0.0
+        self.on_tokens: Callable[[list[Job]], None] | None = None
+        """Told, at the end of every iteration, which requests it gave a token (their
+        `remaining` says whether it was the last): for a co-simulation that sends each token as
+        it is made. None, the default, costs the simulator nothing."""
         self._events: list[tuple[float, int, int]] = []  # (time, seq, replica index)
         self._seq = itertools.count()
 
@@ -267,6 +271,10 @@ class Simulator:
         self.now = max(self.now, until)
         return finished
 
+    def next_event(self) -> float | None:
+        """When the next iteration ends (None: every replica is idle)."""
+        return self._events[0][0] if self._events else None
+
     def drain(self) -> list[Finished]:
         """Run until every submitted request has ended."""
         finished: list[Finished] = []
@@ -284,7 +292,12 @@ class Simulator:
 
     def _end_iteration(self, index: int) -> list[Finished]:
         r = self.replicas[index]
-        done = [self._end(index, job, outcome) for job, outcome in r.batch.end(self.now)]
+        served = list(r.batch.running) if self.on_tokens is not None else []
+        ended = r.batch.end(self.now)
+        if self.on_tokens is not None:
+            aborted = {id(job) for job, outcome in ended if outcome == DEADLINE}
+            self.on_tokens([job for job in served if id(job) not in aborted])
+        done = [self._end(index, job, outcome) for job, outcome in ended]
         r.busy_until = None
         self.devices.stop(r.device)
         self._start_iteration(index)

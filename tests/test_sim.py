@@ -66,3 +66,21 @@ def test_the_paper_deployment_simulates_twelve_replicas_on_four_gpus() -> None:
     assert {r.device for r in sim.replicas} == {f"cuda:{i}" for i in range(4)}
     with pytest.raises(ValueError, match="names no latency profile"):
         Simulator.from_deployment(load_deployment(name="opt-cpu"))
+
+
+def test_on_tokens_tells_each_token_at_its_iterations_end() -> None:
+    sim = Simulator([("r0", "m", "gpu0")], {"m": PROFILE}, SLO)
+    seen: list[tuple[str, float, int]] = []
+    sim.on_tokens = lambda jobs: seen.extend(
+        (j.request.request_id, sim.now, j.remaining) for j in jobs
+    )
+    sim.submit(request("a", prompt_tokens=10, max_tokens=3), 0)
+    sim.advance(0.005)
+    sim.submit(request("b", prompt_tokens=40, max_tokens=2), 0)
+    assert sim.next_event() == pytest.approx(0.020)
+    sim.drain()
+    # The iterations of test_continuous_batching_by_hand: 20, 80 and 100 ms.
+    assert seen == [("a", pytest.approx(0.020), 2), ("a", pytest.approx(0.080), 1),
+                    ("b", pytest.approx(0.080), 1), ("a", pytest.approx(0.100), 0),
+                    ("b", pytest.approx(0.100), 0)]  # fmt: skip
+    assert sim.next_event() is None

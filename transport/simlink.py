@@ -14,11 +14,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent
 
-from transport.link import LinkConfig
+from transport.link import LinkConfig, LinkDirection
 
 CLIENT_ADDR = ("10.0.0.1", 4433)
 SERVER_ADDR = ("10.0.0.2", 443)
@@ -30,7 +31,12 @@ EventHandler = Callable[[QuicConnection, QuicEvent, float], None]
 
 
 class SimulatedPath:
-    """Carries datagrams between `client` and `server`; handlers see every event."""
+    """Carries datagrams between client and server connections; handlers see every event.
+
+    It starts with one pair, `client` and `server`. `connect` adds more pairs over the same link,
+    as a browser opens a TCP connection per request: they share its queues, rate and losses.
+    Only the connections that something happened to are polled, so a link with thousands of
+    pairs, most of them idle or finished, costs what its busy ones do."""
 
     def __init__(
         self,
@@ -47,8 +53,32 @@ class SimulatedPath:
         self._calls: list[tuple[float, int, Callable[[float], None]]] = []
         self._order = itertools.count()
         self.now = 0.0
-        self._speaking = {id(client)}  # a server has no path to send on until it hears one
-        self.client.connect(SERVER_ADDR, now=self.now)
+        self._ends: dict[int, _End] = {}
+        self._speaking: set[int] = set()  # a server has no path to send on until it hears one
+        self._dirty: dict[int, QuicConnection] = {}  # to poll, in order (a dict as ordered set)
+        self._timers: list[tuple[float, int, QuicConnection]] = []  # may hold stale entries
+        self.connect(client, server)
+
+    def connect(self, client: QuicConnection, server: QuicConnection) -> None:
+        """Start `client`'s handshake with `server` over this link, now."""
+        address = (CLIENT_ADDR[0], CLIENT_ADDR[1] + len(self._ends) // 2)
+        self._ends[id(client)] = _End(client, server, self._up, address)
+        self._ends[id(server)] = _End(server, client, self._down, SERVER_ADDR)
+        self._speaking.add(id(client))
+        client.connect(SERVER_ADDR, now=self.now)
+        self.touch(client)
+
+    def disconnect(self, *connections: QuicConnection) -> None:
+        """Forget connections that are done: what is still in flight to them is dropped."""
+        for connection in connections:
+            self._ends.pop(id(connection), None)
+            self._speaking.discard(id(connection))
+            self._dirty.pop(id(connection), None)
+
+    def touch(self, connection: QuicConnection) -> None:
+        """`connection` may have something to send: a callback that writes to a connection
+        other than the first pair's says so."""
+        self._dirty[id(connection)] = connection
 
     @property
     def losses(self) -> tuple[int, int]:
@@ -70,7 +100,7 @@ class SimulatedPath:
         `timeout` virtual seconds."""
         self._settle()
         while not until():
-            wake = [t for t in (self.client.get_timer(), self.server.get_timer()) if t is not None]
+            wake = [self._timers[0][0]] if self._timers else []
             if self._in_flight:
                 wake.append(self._in_flight[0][0])
             if self._calls:
@@ -85,46 +115,73 @@ class SimulatedPath:
                 raise TimeoutError(f"not done after {timeout} s of virtual time")
             while self._in_flight and self._in_flight[0][0] <= self.now:
                 _, _, destination, data, source = heapq.heappop(self._in_flight)
-                destination.receive_datagram(data, source, now=self.now)
-                self._speaking.add(id(destination))
-            for connection in (self.client, self.server):
+                if id(destination) in self._ends:
+                    destination.receive_datagram(data, source, now=self.now)
+                    self._speaking.add(id(destination))
+                    self.touch(destination)
+            while self._timers and self._timers[0][0] <= self.now:
+                _, _, connection = heapq.heappop(self._timers)
                 timer = connection.get_timer()
-                if timer is not None and timer <= self.now:
+                if id(connection) in self._ends and timer is not None and timer <= self.now:
                     connection.handle_timer(now=self.now)
+                    self.touch(connection)
             while self._calls and self._calls[0][0] <= self.now:
                 _, _, callback = heapq.heappop(self._calls)
                 callback(self.now)
+                self.touch(self.client)
+                self.touch(self.server)
             self._settle()
         return self.now
 
     def transmit(self) -> None:
-        """Put on the link what the connections have to send now. Called between sends, it keeps
+        """Put on the link what the first pair has to send now. Called between sends, it keeps
         them in separate packets (aioquic would otherwise coalesce them into one)."""
-        self._transmit()
+        for connection in (self.client, self.server):
+            self._transmit(connection)
 
     def _settle(self) -> None:
-        """Deliver events and send what they cause, until both sides are quiet for now."""
-        busy = True
-        while busy:
+        """Deliver events and send what they cause, until the touched connections are quiet."""
+        polled: dict[int, QuicConnection] = {}
+        while self._dirty:
+            batch = list(self._dirty.values())
+            self._dirty.clear()
             busy = False
-            for connection in (self.client, self.server):
+            for connection in batch:
                 while (event := connection.next_event()) is not None:
                     busy = True
                     self.on_event(connection, event, self.now)
-            busy |= self._transmit()
+            for connection in batch:
+                busy |= self._transmit(connection)
+            polled.update((id(c), c) for c in batch)
+            if busy:  # a handler may have written to them, or to the first pair
+                for connection in (*batch, self.client, self.server):
+                    self.touch(connection)
+                self._dirty = {k: c for k, c in self._dirty.items() if k in self._ends}
+        for connection in polled.values():
+            timer = connection.get_timer()
+            if timer is not None and id(connection) in self._ends:
+                heapq.heappush(self._timers, (timer, next(self._order), connection))
 
-    def _transmit(self) -> bool:
+    def _transmit(self, connection: QuicConnection) -> bool:
+        end = self._ends.get(id(connection))
+        if end is None or id(connection) not in self._speaking:
+            return False
         any_sent = False
-        for connection, direction, destination, source in (
-            (self.client, self._up, self.server, CLIENT_ADDR),
-            (self.server, self._down, self.client, SERVER_ADDR),
-        ):
-            if id(connection) not in self._speaking:
-                continue
-            for data, _ in connection.datagrams_to_send(now=self.now):
-                any_sent = True
-                arrival = direction.admit(len(data), self.now)
-                if arrival is not None:
-                    item = (arrival, next(self._order), destination, data, source)
-                    heapq.heappush(self._in_flight, item)
+        for data, _ in connection.datagrams_to_send(now=self.now):
+            any_sent = True
+            arrival = end.direction.admit(len(data), self.now)
+            if arrival is not None:
+                item = (arrival, next(self._order), end.peer, data, end.address)
+                heapq.heappush(self._in_flight, item)
         return any_sent
+
+
+@dataclass(frozen=True)
+class _End:
+    """One connection's end of the link: whom it talks to, which direction it sends on, and the
+    address its datagrams come from."""
+
+    connection: QuicConnection
+    peer: QuicConnection
+    direction: LinkDirection
+    address: tuple[str, int]
