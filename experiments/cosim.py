@@ -29,11 +29,12 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
 
 from config import Deployment
+from experiments.transport_micro import CONGESTION_CONTROL, QUIC_STACKS, STACKS
 from router.admission import admission_for
 from router.env import replica_for
 from router.features import ArrivalRateEstimator, FeatureEncoder
 from router.policies import Policy
-from router.sim import DEADLINE, SHED, Finished, Job, Simulator
+from router.sim import DEADLINE, Finished, Job, Simulator
 from router.view import ClusterView
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
@@ -41,12 +42,6 @@ from transport.link import LinkConfig
 from transport.qos import stream_spec
 from transport.simlink import SimulatedPath
 from workloads import Request
-
-QUIC_STACKS = ("fcfs", "rr", "edf", "abs", "ml", "pifo")
-TCP_STACKS = ("h1-tls", "h2-tls")
-STACKS = (*QUIC_STACKS, *TCP_STACKS)
-CONGESTION_CONTROL = "cubic"
-"""At both ends of every stack, as in `experiments.transport_micro`."""
 
 TOKEN_BYTES = 242
 """One token's SSE event, as the server writes it for a chat stream (a chunk of
@@ -70,7 +65,6 @@ class Delivery:
     """One request as its client saw it."""
 
     request: Request
-    sent: float
     arrived: float | None = None
     """At the gateway."""
     model: str | None = None
@@ -83,6 +77,12 @@ class Delivery:
     """At the client: its last byte."""
     server_slo_met: bool = False
     """The SLO as the gateway counts it, from arrival at the gateway to the last token made."""
+
+    @property
+    def sent(self) -> float:
+        """The request's arrival in the workload: when its client sent it, or began to wait for
+        a stream to send it on."""
+        return self.request.arrival
 
 
 class _Pipe:
@@ -124,7 +124,6 @@ class VirtualGateway:
     driven by arrivals at the server instead of a workload's own clock."""
 
     def __init__(self, deployment: Deployment, policy: Policy) -> None:
-        self.deployment = deployment
         self.policy = policy
         self.sim = Simulator.from_deployment(deployment)
         self.rate = ArrivalRateEstimator()
@@ -163,7 +162,7 @@ class CoSimulation:
         self.gateway = VirtualGateway(deployment, policy)
         self.gateway.sim.on_tokens = self._tokens
         self.certificate = certificate
-        self.deliveries = {r.request_id: Delivery(r, r.arrival) for r in requests}
+        self.deliveries = {r.request_id: Delivery(r) for r in requests}
         self._open = len(self.deliveries)
         self._channels: dict[str, _Channel] = {}  # request id -> its response's channel
         self._by_stream: dict[tuple[int, int], _Channel] = {}  # (id(connection), stream id)
@@ -297,8 +296,6 @@ class CoSimulation:
             self.deliveries[rid].server_slo_met = f.slo_met
             if f.outcome == DEADLINE:
                 self._error(rid, 504)
-            elif f.outcome == SHED:
-                self._error(rid, 429)
 
     def _error(self, rid: str, status: int) -> None:
         self._write(rid, ERROR_BYTES, True, self._done(rid, status))

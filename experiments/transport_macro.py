@@ -47,10 +47,10 @@ import numpy as np
 from tqdm import tqdm
 
 from config import Deployment, load_deployment
-from experiments.cosim import STACKS, TOKEN_BYTES, CoSimulation, Delivery
+from experiments.cosim import TOKEN_BYTES, CoSimulation, Delivery
 from experiments.output import write_csv
 from experiments.policies import baselines
-from experiments.transport_micro import LINK_3G, mean_ci
+from experiments.transport_micro import LINK_3G, STACKS, mean_ci
 from transport.link import LinkConfig
 from transport.tls import ensure_certificate
 from workloads import Request
@@ -134,8 +134,9 @@ def run_cell(cell: tuple[str, str, str, int, tuple[float, ...], float]) -> list[
     deployment = load_deployment(name=DEPLOYMENT).with_admission("none")
     assert _certificate is not None
     rows = []
+    make_policy = baselines(deployment, Path("results"), only=[policy_name])[policy_name]
     for label, reqs in phases(kind, seed, rates, seconds):
-        policy = baselines(deployment, Path("results"), only=[policy_name])[policy_name]()
+        policy = make_policy()  # fresh for each cluster, as round-robin keeps state
         started = time.monotonic()
         sim = CoSimulation(
             stack, deployment, policy, reqs, LINK_3G.replace(seed=seed), _certificate
@@ -201,7 +202,7 @@ def print_tables(rows: list[dict[str, object]], policies: list[str]) -> list[dic
     scores = cell_scores(rows)
     summary = []
     for number, kind in ((3, "stable"), (4, "unpredictable")):
-        stacks = [s for s in STACKS if any(k == (kind, s, p) for k in scores for p in policies)]
+        stacks = [s for s in STACKS if any((kind, s, p) in scores for p in policies)]
         if not stacks:
             continue
         offset = 0 if kind == "stable" else 3
@@ -256,7 +257,7 @@ def check_targets(summary: list[dict[str, object]]) -> list[str]:
     return lines
 
 
-def saturation(rates: Sequence[float], deployment: Deployment, link: LinkConfig) -> list[str]:
+def saturation(rates: Sequence[float], link: LinkConfig) -> list[str]:
     """Where the link saturates: the response bytes each rate asks of the downlink."""
     lines = []
     for rate in rates:
@@ -380,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in check_targets(summary):
         print(line)
     print(f"\nWhere the 3G link saturates (its downlink: {LINK_3G.rate_bps / 1e6:g} Mbit/s):")
-    for line in saturation(rates, deployment, LINK_3G):
+    for line in saturation(rates, LINK_3G):
         print("  " + line)
     print(f"\nwritten to {out}/ (runs.csv, cells.csv, tables.png)")
     return 0

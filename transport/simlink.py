@@ -156,7 +156,6 @@ class SimulatedPath:
             if busy:  # a handler may have written to them, or to the first pair
                 for connection in (*batch, self.client, self.server):
                     self.touch(connection)
-                self._dirty = {k: c for k, c in self._dirty.items() if k in self._ends}
         for connection in polled.values():
             timer = connection.get_timer()
             if timer is not None and id(connection) in self._ends:
