@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +131,11 @@ def first_token_met(deployment: Deployment, d: Delivery) -> bool:
 _certificate: tuple[Path, Path] | None = None
 
 
-def run_cell(cell: tuple[str, str, str, int, tuple[float, ...], float]) -> list[dict[str, object]]:
+Cell = tuple[str, str, str, int, tuple[float, ...], float]
+"""(stack, policy, workload, seed, the stable workload's rates, seconds a phase)."""
+
+
+def run_cell(cell: Cell) -> list[dict[str, object]]:
     stack, policy_name, kind, seed, rates, seconds = cell
     deployment = load_deployment(name=DEPLOYMENT).with_admission("none")
     assert _certificate is not None
@@ -176,6 +182,31 @@ def phase_row(
         **by_class,
         **{f"share:{m}": round(sum(d.model == m for d in done) / n, 4) for m in deployment.models},
     }  # fmt: skip
+
+
+def run_cells(cells: list[Cell], jobs: int) -> tuple[list[dict[str, object]], str | None]:
+    """Every cell's rows, in `jobs` processes; and why it stopped early, if it did (what had
+    finished is kept either way)."""
+    rows: list[dict[str, object]] = []
+    finished = 0
+    with tempfile.TemporaryDirectory() as scratch:
+        certificate = ensure_certificate(Path(scratch), deterministic=True)
+        # Not multiprocessing.Pool: a worker killed mid-cell (by the OOM killer, say) leaves
+        # Pool waiting forever for its result, where the executor says the pool broke.
+        pool = ProcessPoolExecutor(
+            jobs, multiprocessing.get_context("fork"), _init_worker, (certificate,)
+        )
+        futures = [pool.submit(run_cell, cell) for cell in cells]
+        try:
+            for future in tqdm(as_completed(futures), total=len(cells), unit="cell"):
+                rows += future.result()
+                finished += 1
+        except (BrokenProcessPool, KeyboardInterrupt) as error:
+            pool.shutdown(wait=False, cancel_futures=True)
+            why = "interrupted" if isinstance(error, KeyboardInterrupt) else "a worker died"
+            return rows, f"{why}: {len(cells) - finished} of {len(cells)} cells did not finish"
+        pool.shutdown()
+    return rows, None
 
 
 def _init_worker(certificate: tuple[Path, Path]) -> None:
@@ -346,14 +377,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"unknown policies {sorted(unknown)}; choose from {', '.join(default_policies)}"
         )
-    rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES
+    except ValueError:
+        parser.error(f"--rates takes numbers separated by commas, not {args.rates!r}")
     if args.quick:
         rates, args.seconds, args.seeds = QUICK_RATES, 60.0, 1
-    if args.seeds < 1 or min(args.seconds, args.rate_seconds) <= 0 or not rates or min(rates) <= 0:
-        parser.error("--seeds must be at least 1; the lengths and every rate above 0")
+    if args.seeds < 1 or args.jobs < 1:
+        parser.error("--seeds and --jobs must be at least 1")
+    if not all(0 < v < math.inf for v in (args.seconds, args.rate_seconds, *rates)):
+        parser.error("--seconds, --rate-seconds and every rate must be finite numbers above 0")
     out = Path(args.out)
     if args.report:
-        rows = read_rows(out / "runs.csv")
+        try:
+            rows = read_rows(out / "runs.csv")
+        except OSError as error:
+            parser.exit(2, f"error: no run to report: {error}\n")
+        if not rows:
+            parser.exit(2, f"error: {out / 'runs.csv'} has no runs\n")
     else:
         available = baselines(deployment, Path("results"), only=policies)  # tunes once, cached
         if missing := [p for p in policies if p not in available]:
@@ -363,17 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [(stack, policy, kind, seed, rates, length[kind])
                  for kind in kinds for seed in range(args.seeds)
                  for policy in policies for stack in stacks]  # fmt: skip
-        rows = []
-        with tempfile.TemporaryDirectory() as scratch:
-            certificate = ensure_certificate(Path(scratch), deterministic=True)
-            with multiprocessing.get_context("fork").Pool(
-                args.jobs, _init_worker, (certificate,)
-            ) as pool:
-                for done in tqdm(
-                    pool.imap_unordered(run_cell, cells), total=len(cells), unit="cell"
-                ):
-                    rows += done
-        write_csv(out / "runs.csv", rows)
+        rows, stopped = run_cells(cells, args.jobs)
+        if rows:
+            write_csv(out / "runs.csv", rows)
+        if stopped:
+            kept = f"; the {len(rows)} runs that ended are in {out / 'runs.csv'}" if rows else ""
+            parser.exit(1, f"error: {stopped}{kept}\n")
     summary = print_tables(rows, policies)
     write_csv(out / "cells.csv", summary)
     plot(summary, policies, out)

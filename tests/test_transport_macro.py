@@ -112,3 +112,20 @@ def test_bad_arguments_are_refused(capsys) -> None:
         transport_macro.main(["--stacks", "quic"])
     assert exit_.value.code == 2
     assert "unknown stacks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--rates", "abc"], "--rates takes numbers"),
+        (["--rate-seconds", "nan"], "finite numbers above 0"),
+        (["--seconds", "inf"], "finite numbers above 0"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--report", "--out", "/nonexistent/transport_macro"], "no run to report"),
+    ],
+)
+def test_bad_numbers_and_a_missing_run_are_refused_with_the_reason(args, says, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        transport_macro.main(args)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
