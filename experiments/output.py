@@ -8,12 +8,13 @@ from pathlib import Path
 
 
 def write_csv(path: Path, rows: Sequence[Mapping[str, object]], skip: Collection[str] = ()) -> None:
-    """One row per mapping, the columns those of the first row but `skip`; makes the folder."""
+    """One row per mapping, the columns every key of any row but `skip` (in order of first
+    appearance; a row without one leaves it empty); makes the folder."""
     if not rows:
         raise ValueError(f"{path}: no rows to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        fields = [k for k in rows[0] if k not in skip]
+        fields = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in skip]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

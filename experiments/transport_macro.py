@@ -55,9 +55,9 @@ from experiments.policies import baselines
 from experiments.transport_micro import LINK_3G, STACKS, mean_ci
 from transport.link import LinkConfig
 from transport.tls import ensure_certificate
-from workloads import Request
+from workloads import Message, Request
 from workloads.arrivals import Poisson, SwitchingRate
-from workloads.generate import WorkloadSpec, requests
+from workloads.generate import WorkloadSpec, requests, with_background
 
 OUT = Path("results/transport_macro")
 DEPLOYMENT = "paper-4gpu-sim"
@@ -85,18 +85,30 @@ SEED_TABLES = {
 its TLS/TCP-1conn one connection for all (h2-tls)."""
 
 
-def classify(request: Request, rng: np.random.Generator) -> Request:
-    """The seed's three classes, from the task."""
+def classify(request: Request, rng: np.random.Generator, padding: np.random.Generator) -> Request:
+    """The seed's three classes, from the task. A large input is the task's example led by
+    background text (from `padding`) to about 1,500 tokens, so that a live server reads as long a
+    prompt as the simulator counts."""
     if request.task == REAL_TIME_TASK:
         return dataclasses.replace(request, qos_class="real-time")
     if rng.random() < LARGE_SHARE:
-        return dataclasses.replace(request, qos_class="long", prompt_tokens=LARGE_PROMPT_TOKENS)
+        assert not isinstance(request.prompt, str)
+        *before, last = request.prompt
+        long = with_background(last.content, LARGE_PROMPT_TOKENS, padding)
+        return dataclasses.replace(
+            request,
+            qos_class="long",
+            prompt=(*before, Message(last.role, long)),
+            prompt_tokens=LARGE_PROMPT_TOKENS,
+        )
     return dataclasses.replace(request, qos_class="free-tier")
 
 
 def workload(spec: WorkloadSpec, seed: int, duration: float) -> list[Request]:
-    rng = np.random.default_rng([seed, 2])  # apart from the arrivals' and contents' generators
-    return [classify(r, rng) for r in requests(spec, seed, duration)]
+    # Generators apart from the arrivals' and contents', and from each other, so that the
+    # padding leaves the classes alone.
+    rng, padding = np.random.default_rng([seed, 2]), np.random.default_rng([seed, 3])
+    return [classify(r, rng, padding) for r in requests(spec, seed, duration)]
 
 
 def phases(
@@ -338,6 +350,25 @@ def read_rows(path: Path) -> list[dict[str, object]]:
         return list(csv.DictReader(f))
 
 
+def parse_rates(parser: argparse.ArgumentParser, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        parser.error(f"--rates takes numbers separated by commas, not {text!r}")
+
+
+def rows_to_report(parser: argparse.ArgumentParser, out: Path) -> list[dict[str, object]]:
+    """--report's rows: the last run's, from `out`; or a usage error that says why there are
+    none."""
+    try:
+        rows = read_rows(out / "runs.csv")
+    except OSError as error:
+        parser.exit(2, f"error: no run to report: {error}\n")
+    if not rows:
+        parser.exit(2, f"error: {out / 'runs.csv'} has no runs\n")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.transport_macro",
@@ -377,10 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"unknown policies {sorted(unknown)}; choose from {', '.join(default_policies)}"
         )
-    try:
-        rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else RATES
-    except ValueError:
-        parser.error(f"--rates takes numbers separated by commas, not {args.rates!r}")
+    rates = parse_rates(parser, args.rates) if args.rates else RATES
     if args.quick:
         rates, args.seconds, args.seeds = QUICK_RATES, 60.0, 1
     if args.seeds < 1 or args.jobs < 1:
@@ -389,12 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seconds, --rate-seconds and every rate must be finite numbers above 0")
     out = Path(args.out)
     if args.report:
-        try:
-            rows = read_rows(out / "runs.csv")
-        except OSError as error:
-            parser.exit(2, f"error: no run to report: {error}\n")
-        if not rows:
-            parser.exit(2, f"error: {out / 'runs.csv'} has no runs\n")
+        rows = rows_to_report(parser, out)
     else:
         available = baselines(deployment, Path("results"), only=policies)  # tunes once, cached
         if missing := [p for p in policies if p not in available]:

@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
+from itertools import cycle
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import CERT, PREMIUM_KEY, PYTHON, ROOT, Server, free_port
+from workloads.arrivals import Poisson
+from workloads.generate import TaskShape, WorkloadSpec, requests
+from workloads.request import load_requests, save_requests
 
 SHORT = ["--rate", "6", "--num-requests", "12", "--output-tokens", "4:12", "--no-progress"]
 
@@ -87,9 +92,43 @@ def test_replay_names_an_unreachable_endpoint(tmp_path: Path) -> None:
     assert rc == 1
 
 
+def test_replay_sends_exactly_the_requests_of_a_file(server: Server, tmp_path: Path) -> None:
+    spec = WorkloadSpec(Poisson(6.0), default_shape=TaskShape(None, (4, 8)))
+    wanted = list(requests(spec, 3, 2.0))
+    wanted = [replace(r, qos_class=c) for r, c in zip(wanted, cycle(["free-tier", "long"]))]
+    save_requests(tmp_path / "requests.jsonl", wanted)
+    assert load_requests(tmp_path / "requests.jsonl") == wanted
+    rc, record, _ = replay(
+        tmp_path / "exact.json",
+        "--proto", "h3", "--url", f"https://localhost:{server.h3_port}", "--cacert", str(CERT),
+        "--requests", str(tmp_path / "requests.jsonl"), "--scheduler", "edf",
+        "--congestion-control", "cubic",
+    )  # fmt: skip
+    assert rc == 0, record["summary"]["errors"]
+    assert_accounted(record, len(wanted))
+    sent = {r["request_id"]: r for r in record["requests"]}
+    for w in wanted:
+        assert sent[w.request_id]["qos_class"] == w.qos_class
+        assert sent[w.request_id]["arrival_s"] == w.arrival
+        assert sent[w.request_id]["output_tokens"] == w.max_tokens  # the load ignores EOS
+
+
+def test_a_run_where_nothing_completed_still_gets_its_plot(tmp_path: Path) -> None:
+    # Three requests, all refused: no latency to draw on the plot's log scale.
+    port = free_port()
+    out = tmp_path / "none.json"
+    rc, record, _ = replay(out, "--proto", "h1", "--url", f"http://127.0.0.1:{port}",
+                           "--num-requests", "3")  # fmt: skip
+    assert rc == 1 and record["summary"]["errors"] == {"connection": 3}
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--requests", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+        (["--proto", "h2", "--url", "http://localhost:8000"], "give an https:// --url"),
+        (["--proto", "h3", "--connection-per-request"], "is for --proto h1"),
         (["--arrivals", "trace", "--trace", "/nonexistent.csv"], "cannot read"),
         (["--tasks", "gsm8k"], "no prompts for task"),
         (["--deployment", "nope"], "unknown deployment"),
@@ -103,6 +142,18 @@ def test_bad_arguments_get_a_clear_message(args: list[str], message: str) -> Non
     )  # fmt: skip
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_malformed_requests_file_is_named_with_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "requests.jsonl"
+    save_requests(bad, list(requests(WorkloadSpec(Poisson(6.0)), 0, 1.0))[:2])
+    bad.write_text(bad.read_text() + '{"arrival": 1}\n')
+    done = subprocess.run(
+        [PYTHON, "-m", "workloads.replay", "--requests", str(bad)], cwd=ROOT,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "line 3: not a request" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_replay_says_when_it_could_not_keep_up() -> None:

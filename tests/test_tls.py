@@ -7,13 +7,17 @@ import asyncio
 import contextlib
 import json
 import ssl
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import (
     CERT,
+    PYTHON,
+    ROOT,
     Server,
     free_port,
     free_udp_port,
@@ -37,11 +41,13 @@ CHAT = {
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory = tmp_path_factory.mktemp("tls")
     port, h3_port = free_port(), free_udp_port()
+    log = directory / "requests.jsonl"
     command = serving_command(
-        write_test_config(directory), "embedded-sim", port, "--h3-port", str(h3_port), "--tls"
-    )
+        write_test_config(directory), "embedded-sim", port, "--h3-port", str(h3_port), "--tls",
+        "--request-log", str(log),
+    )  # fmt: skip
     server = launch("tls", command, port, "/readyz", directory, h3_port=h3_port)
-    server.tls = True
+    server.tls, server.request_log = True, log
     try:
         yield server.wait_ready()
     finally:
@@ -116,3 +122,43 @@ def test_an_oversized_body_over_http2_leaves_the_other_streams_on_its_connection
     status, multiplexed, text = asyncio.run(run())
     assert (status, multiplexed) == (200, True)
     assert text.rstrip().endswith("data: [DONE]")
+
+
+def client_ports(server_port: int) -> set[int]:
+    """The client ports of this machine's TCP connections with `server_port`, open or closing
+    (/proc/net/tcp{,6}, Linux; whichever end closed first keeps its side in TIME_WAIT a while):
+    one per connection made to the server."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in line.split()[1:3])
+                if local == server_port and remote:
+                    ports.add(remote)
+                elif remote == server_port:
+                    ports.add(local)
+    return ports
+
+
+@pytest.mark.parametrize(
+    "proto, protocol, connections",
+    [(["h2"], "2", 1), (["h1", "--connection-per-request"], "1.1", 12)],
+)
+def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
+    tls_server: Server, tmp_path: Path, proto: list[str], protocol: str, connections: int
+) -> None:
+    before = client_ports(tls_server.port)
+    out = tmp_path / "record.json"
+    done = subprocess.run(
+        [PYTHON, "-m", "workloads.replay", "--proto", *proto, "--url",
+         f"https://localhost:{tls_server.port}", "--cacert", str(CERT), "--rate", "8",
+         "--num-requests", "12", "--output-tokens", "4:8", "--no-progress", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["summary"]["completed"] == 12
+    logged = [tls_server.logged(r["server_request_id"]) for r in record["requests"]]
+    assert {line["protocol"] for line in logged} == {protocol}
+    # HTTP/2: one connection, opened before the run and carrying every request.
+    assert len(client_ports(tls_server.port) - before) == connections

@@ -1,10 +1,11 @@
 """OpenAI chat completions as a client sees them: one streamed request, timed at the client.
 
 The load generator (`workloads.replay`) sends every request through here, over HTTP/3 (an
-`Http3Client` or `Http3Pool` of the transport) or HTTP/1.1 (an aiohttp session, the client
-`vllm bench serve` uses), and both protocols are timed by the same code with `vllm bench serve`'s
-definitions: TTFT at the first chunk with choices, an inter-token gap between such chunks, E2EL
-at the last of them. Times are `time.perf_counter()`: the event loop's clock may be coarse.
+`Http3Client` or `Http3Pool` of the transport), HTTP/1.1 (an aiohttp session, the client
+`vllm bench serve` uses) or HTTP/2 (an httpx client), and every protocol is timed by the same
+code with `vllm bench serve`'s definitions: TTFT at the first chunk with choices, an inter-token
+gap between such chunks, E2EL at the last of them. Times are `time.perf_counter()`: the event
+loop's clock may be coarse.
 
 `python -m workloads.chat "Hello!"` streams one answer over HTTP/3 and prints how it went.
 """
@@ -15,14 +16,16 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import httpx
 
 from transport.client import Http3Client, Http3Pool, StreamError, split_url
+from transport.schedulers import StreamSpec
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -77,14 +80,17 @@ async def chat_h3(
     headers: Mapping[str, str] | None = None,
     on_token: Callable[[str], None] | None = None,
     eloquent: bool = False,
+    spec: StreamSpec | None = None,
 ) -> ChatResult:
     """One streamed chat completion over HTTP/3. With `eloquent`, tokens are timed from
-    whichever path (stream or datagram) delivered them first."""
+    whichever path (stream or datagram) delivered them first; `spec` tags the request's stream
+    for the client connection's scheduler, which orders the uploads."""
     response = await client.request(
         "POST",
         CHAT_PATH,
         {"content-type": "application/json", **(headers or {})},
         json.dumps(body).encode(),
+        spec=spec,
         eloquent=eloquent,
     )
     result = ChatResult(credit_wait_s=response.credit_wait_s)
@@ -110,16 +116,47 @@ async def chat_h1(
 ) -> ChatResult:
     """One streamed chat completion over HTTP/1.1. Connection failures raise aiohttp's errors."""
     start = time.perf_counter()
-    result = ChatResult()
     async with session.post(
         url + CHAT_PATH, json=body, headers={"content-type": "application/json", **(headers or {})}
     ) as response:
-        result.take_headers(response.status, response.headers)
-        if response.status != 200:
-            result.error = error_message((await response.read()).decode(errors="replace"))
-            result.e2el_s = time.perf_counter() - start
-            return result
-        await read_chat_stream(_lines(response.content), result, start)
+        return await _answer(
+            response.status, response.headers, response.read, _lines(response.content), start
+        )
+
+
+async def chat_h2(
+    client: httpx.AsyncClient,
+    url: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str] | None = None,
+) -> ChatResult:
+    """One streamed chat completion over an httpx client, which speaks HTTP/2 over TLS when made
+    with `http2=True` (aiohttp has no HTTP/2). Connection failures raise httpx's errors."""
+    start = time.perf_counter()
+    async with client.stream(
+        "POST", url + CHAT_PATH, json=body,
+        headers={"content-type": "application/json", **(headers or {})},
+    ) as response:  # fmt: skip
+        return await _answer(
+            response.status_code, response.headers, response.aread, response.aiter_lines(), start
+        )
+
+
+async def _answer(
+    status: int,
+    headers: Mapping[str, str],
+    read: Callable[[], Awaitable[bytes]],
+    lines: AsyncIterator[str],
+    start: float,
+) -> ChatResult:
+    """An HTTP/1.1 or HTTP/2 answer, read whole if it is an error, else as its SSE `lines`."""
+    result = ChatResult()
+    result.take_headers(status, headers)
+    if status != 200:
+        result.error = error_message((await read()).decode(errors="replace"))
+        result.e2el_s = time.perf_counter() - start
+        return result
+    await read_chat_stream(lines, result, start)
     return result
 
 

@@ -11,6 +11,7 @@ times of a seed alone.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -152,7 +153,6 @@ class _Contents:
             name: (list(mix), np.cumsum(list(mix.values())) / sum(mix.values()))
             for name, mix in (("tasks", spec.tasks), ("classes", spec.classes))
         }
-        self.sentences = [s.strip() for s in _SENTENCE.findall(corpus())]
         self.open: list[_Conversation] = []
         self.sessions = 0
 
@@ -167,14 +167,7 @@ class _Contents:
         return int(self.rng.integers(bounds[0], bounds[1] + 1))
 
     def filler(self, tokens: int) -> str:
-        """Corpus sentences in random order, about `tokens` long."""
-        out: list[str] = []
-        chars = 0
-        while chars < tokens * self.spec.chars_per_token:
-            sentence = self.sentences[int(self.rng.integers(len(self.sentences)))]
-            out.append(sentence)
-            chars += len(sentence) + 1
-        return " ".join(out)
+        return filler(tokens, self.rng, self.spec.chars_per_token)
 
     def example(self, task: str) -> str:
         texts = self.spec.prompts[task]
@@ -183,9 +176,8 @@ class _Contents:
     def prompt(self, task: str, tokens: int | None) -> str:
         """A task example, led by background text when `tokens` asks for more than it has."""
         text = self.example(task)
-        missing = int(tokens - len(text) / self.spec.chars_per_token) if tokens else 0
-        if missing > 0:
-            text = f"Background: {self.filler(missing)}\n\n{text}"
+        if tokens:
+            text = with_background(text, tokens, self.rng, self.spec.chars_per_token)
         limit = self.spec.max_prompt_tokens
         if limit is not None and len(text) > limit * self.spec.chars_per_token:
             text = text[-int(limit * self.spec.chars_per_token) :]
@@ -259,6 +251,33 @@ class _Contents:
             prompt_tokens=self.tokens("".join(m.content for m in messages)),
             session_id=conv.session_id,
         )
+
+
+@functools.cache
+def _sentences() -> list[str]:
+    return [s.strip() for s in _SENTENCE.findall(corpus())]
+
+
+def filler(tokens: int, rng: np.random.Generator, chars_per_token: float = 4.0) -> str:
+    """Corpus sentences in random order, about `tokens` long."""
+    sentences = _sentences()
+    out: list[str] = []
+    chars = 0
+    while chars < tokens * chars_per_token:
+        sentence = sentences[int(rng.integers(len(sentences)))]
+        out.append(sentence)
+        chars += len(sentence) + 1
+    return " ".join(out)
+
+
+def with_background(
+    text: str, tokens: int, rng: np.random.Generator, chars_per_token: float = 4.0
+) -> str:
+    """`text`, led by background text if it is shorter than `tokens`, to make it about that long."""
+    missing = int(tokens - len(text) / chars_per_token)
+    if missing <= 0:
+        return text
+    return f"Background: {filler(missing, rng, chars_per_token)}\n\n{text}"
 
 
 def requests(

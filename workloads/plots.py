@@ -31,9 +31,12 @@ def plot_run(record: dict, path: str | Path, title: str = "") -> Path:
         t = [r["arrival_s"] for r in done]
         latency.scatter(t, [r["e2el_s"] for r in done], s=8, marker="o", label=f"{cls} E2EL")
         latency.scatter(t, [r["ttft_s"] for r in done], s=8, marker="x", label=f"{cls} TTFT")
-    latency.set_yscale("log")
+    if any(not r["error_kind"] for r in requests):
+        latency.set_yscale("log")
+        latency.legend(loc="upper right", fontsize=8)
+    else:  # a log scale with no points fails; say why the panel is empty instead
+        latency.text(0.5, 0.5, "no request completed", ha="center", transform=latency.transAxes)
     latency.set_ylabel("seconds")
-    latency.legend(loc="upper right", fontsize=8)
     window = summary["window"]
     ends = arrivals[window - 1 :] if len(arrivals) >= window else np.empty(0)
     reward.plot(

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -27,11 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from transport.client import Http3Pool, StreamError, split_url
+from transport.qos import stream_spec
+from transport.schedulers import SCHEDULERS
 from workloads.arrivals import (
     ArrivalProcess,
     Gamma,
@@ -39,7 +43,7 @@ from workloads.arrivals import (
     arrival_stats,
     maf1,
 )
-from workloads.chat import ChatResult, chat_h1, chat_h3
+from workloads.chat import ChatResult, chat_h1, chat_h2, chat_h3
 from workloads.generate import (
     Sessions,
     TaskShape,
@@ -51,7 +55,7 @@ from workloads.generate import (
 )
 from workloads.metrics import Outcome, format_summary, summarize
 from workloads.plots import plot_run
-from workloads.request import Request
+from workloads.request import Request, load_requests
 from workloads.traces import (
     DEFAULT_TRACE_DIR,
     TraceError,
@@ -92,9 +96,10 @@ MAX_CLIENT_CPU = 0.90
 class Client:
     """Sends one request and returns its `ChatResult`, over the chosen protocol."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, deployment: Deployment) -> None:
+        self.args, self.deployment = args, deployment
         self.h3: Http3Pool | None = None
+        self.h2: httpx.AsyncClient | None = None
         self.h1: aiohttp.ClientSession | None = None
 
     @asynccontextmanager
@@ -102,19 +107,34 @@ class Client:
         verify: bool | str = self.args.cacert or not self.args.insecure
         if self.args.proto == "h3":
             host, port = split_url(self.args.url)
-            async with Http3Pool(host, port, self.args.connections, verify=verify) as self.h3:
+            async with Http3Pool(
+                host, port, self.args.connections, verify=verify,
+                scheduler=self.args.scheduler, congestion_control=self.args.congestion_control,
+            ) as self.h3:  # fmt: skip
+                yield self
+        elif self.args.proto == "h2":
+            # One connection for every request, as a browser keeps one per origin: past the
+            # server's concurrent-stream limit a request waits for a stream, with no pool
+            # timeout (the run's --timeout bounds it).
+            async with httpx.AsyncClient(
+                http1=False, http2=True, verify=_ssl_context(verify),
+                limits=httpx.Limits(max_connections=1),
+                timeout=httpx.Timeout(None, connect=30),
+            ) as self.h2:  # fmt: skip
+                # Open it before the first request, as HTTP/3's pool does: the run times the
+                # requests, not the handshake.
+                await self.h2.get(self.args.url + "/v1/models")
                 yield self
         else:
             # As `vllm bench serve`: keep-alive connections, as many as requests in flight (an
             # open loop must never queue behind a busy connection), the same idle timeout.
-            ssl: Any = False if self.args.insecure else None
-            if isinstance(verify, str):
-                import ssl as ssl_module
-
-                ssl = ssl_module.create_default_context(cafile=verify)
+            # --connection-per-request closes each after its response, as a client that keeps
+            # none alive pays the TCP (and TLS) handshake every time.
             connector = aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=60, enable_cleanup_closed=True, ssl=ssl
-            )
+                limit=0, keepalive_timeout=None if self.args.connection_per_request else 60,
+                force_close=self.args.connection_per_request, enable_cleanup_closed=True,
+                ssl=False if self.args.insecure else _ssl_context(verify),
+            )  # fmt: skip
             timeout = aiohttp.ClientTimeout(total=None, connect=30)
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as self.h1:
                 yield self
@@ -123,9 +143,21 @@ class Client:
         body = request_body(request, self.args.model, self.args.ignore_eos)
         headers = request_headers(request, self.args.api_key)
         if self.h3 is not None:
-            return await chat_h3(self.h3, body, headers)
+            qos = self.deployment.qos_classes.get(request.qos_class)
+            spec = stream_spec(qos, time.monotonic()) if qos is not None else None
+            return await chat_h3(self.h3, body, headers, spec=spec)
+        if self.h2 is not None:
+            return await chat_h2(self.h2, self.args.url, body, headers)
         assert self.h1 is not None
         return await chat_h1(self.h1, self.args.url, body, headers)
+
+
+def _ssl_context(verify: bool | str) -> ssl.SSLContext:
+    """TLS over TCP: the system's trust, one certificate's (a path), or none (False)."""
+    context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+    if verify is False:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    return context
 
 
 async def run_one(
@@ -143,7 +175,7 @@ async def run_one(
     except TimeoutError:
         outcome.error_kind, outcome.error = "timeout", f"no complete response in {timeout:g} s"
         return outcome
-    except (StreamError, aiohttp.ClientError, OSError) as exc:
+    except (StreamError, aiohttp.ClientError, httpx.TransportError, OSError) as exc:
         outcome.error_kind, outcome.error = "connection", f"{type(exc).__name__}: {exc}"
         return outcome
     except Exception as exc:  # noqa: BLE001 - a malformed reply is this request's error, counted
@@ -319,7 +351,24 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     net = p.add_argument_group("endpoint")
-    net.add_argument("--proto", choices=["h3", "h1"], default="h3")
+    net.add_argument(
+        "--proto",
+        choices=["h3", "h2", "h1"],
+        default="h3",
+        help="h2: HTTP/2 over TLS (an https:// --url), every request on one connection",
+    )
+    net.add_argument(
+        "--connection-per-request",
+        action="store_true",
+        help="h1: a new connection for each request (no keep-alive), handshakes and all",
+    )
+    net.add_argument(
+        "--scheduler",
+        choices=sorted(SCHEDULERS),
+        default="rr",
+        help="h3: the client's stream scheduler, which orders the uploads by QoS class",
+    )
+    net.add_argument("--congestion-control", choices=["reno", "cubic"], default="reno", help="h3's")
     net.add_argument(
         "--connections",
         type=int,
@@ -379,6 +428,11 @@ def parser() -> argparse.ArgumentParser:
     arr.add_argument("--levels", default="0.25,0.5,1,2,4,8,16,32,48", help="switching rates")
     arr.add_argument("--mean-level-s", type=float, default=10.0, help="mean time at a level")
     con = p.add_argument_group("contents")
+    con.add_argument(
+        "--requests",
+        help="send exactly these requests (JSON lines, as workloads.request.save_requests writes "
+        "them), in place of the arrival and contents flags",
+    )
     con.add_argument("--tasks", default="hellaswag,copa,piqa,openbookqa", help="mix: a=3,b=1")
     con.add_argument("--classes", default="free-tier", help="QoS class mix: a=3,b=1")
     con.add_argument(
@@ -404,9 +458,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    args.url = args.url or (
-        "https://localhost:8443" if args.proto == "h3" else "http://localhost:8000"
-    )
+    args.url = args.url or {
+        "h3": "https://localhost:8443", "h2": "https://localhost:8000", "h1": "http://localhost:8000"
+    }[args.proto]  # fmt: skip
+    if args.proto == "h2" and not args.url.startswith("https://"):
+        print("error: --proto h2 is HTTP/2 over TLS: give an https:// --url (a server with "
+              "--tls)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.connection_per_request and args.proto != "h1":
+        print("error: --connection-per-request is for --proto h1", file=sys.stderr)
+        return 2
     if args.cv is None:
         args.cv = 4.0 if args.arrivals == "maf1" else 1.0
     if (
@@ -417,11 +478,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.duration = 40.0  # seed 004's 40 s per rate
     try:
         deployment = load_deployment(args.config, args.deployment)
-        spec, what = build_workload(args)
-        workload = list(requests(spec, args.seed, args.duration, args.num_requests))
-        if args.exact_rate:
-            workload = exact_rate(workload, args)
-    except (ConfigError, TraceError, ValueError) as exc:
+        if args.requests:
+            workload, what = load_requests(args.requests), f"the requests of {args.requests}"
+        else:
+            spec, what = build_workload(args)
+            workload = list(requests(spec, args.seed, args.duration, args.num_requests))
+            if args.exact_rate:
+                workload = exact_rate(workload, args)
+    except (ConfigError, TraceError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not workload:
@@ -435,9 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     try:
         outcomes, duration, cpu = asyncio.run(
-            replay(workload, Client(args), deployment, args.timeout, args.progress)
+            replay(workload, Client(args, deployment), deployment, args.timeout, args.progress)
         )
-    except (ConnectionError, OSError, StreamError) as exc:
+    except (ConnectionError, OSError, StreamError, httpx.TransportError) as exc:
         print(f"error: cannot connect to {args.url} over {args.proto}: {exc!r}", file=sys.stderr)
         return 2
     summary = summarize(outcomes, duration, args.window)

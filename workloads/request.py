@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant"]
 
@@ -36,3 +39,30 @@ class Request:
     @property
     def is_chat(self) -> bool:
         return not isinstance(self.prompt, str)
+
+
+def save_requests(path: str | Path, requests: Iterable[Request]) -> None:
+    """A workload as JSON lines, one request each, so that another process (the load generator,
+    in another network namespace, say) sends exactly these requests: `load_requests` reads them."""
+    with Path(path).open("w") as f:
+        for request in requests:
+            f.write(json.dumps(asdict(request)) + "\n")
+
+
+def load_requests(path: str | Path) -> list[Request]:
+    """What `save_requests` wrote, in arrival order; ValueError naming the line that is bad."""
+    out = []
+    with Path(path).open() as f:
+        for number, line in enumerate(f, 1):
+            try:
+                out.append(_request(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}, line {number}: not a request ({exc})") from exc
+    return sorted(out, key=lambda r: r.arrival)
+
+
+def _request(row: dict[str, Any]) -> Request:
+    prompt = row["prompt"]
+    if not isinstance(prompt, str):
+        prompt = tuple(Message(m["role"], m["content"]) for m in prompt)
+    return Request(**{**row, "prompt": prompt})
