@@ -8,6 +8,7 @@ import contextlib
 import json
 import ssl
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,20 +125,35 @@ def test_an_oversized_body_over_http2_leaves_the_other_streams_on_its_connection
     assert text.rstrip().endswith("data: [DONE]")
 
 
-def client_ports(server_port: int) -> set[int]:
-    """The client ports of this machine's TCP connections with `server_port`, open or closing
-    (/proc/net/tcp{,6}, Linux; whichever end closed first keeps its side in TIME_WAIT a while):
-    one per connection made to the server."""
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(table) as f:
-            for line in f.readlines()[1:]:
-                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in line.split()[1:3])
-                if local == server_port and remote:
-                    ports.add(remote)
-                elif remote == server_port:
-                    ports.add(local)
-    return ports
+class CountingProxy:
+    """A TCP forwarder to `port`, on its own event loop in a thread, that counts the connections
+    it accepts. (Counting ports in /proc/net/tcp instead misses some: on loopback, Linux reuses a
+    port still in TIME_WAIT for the next connection.)"""
+
+    def __init__(self, port: int) -> None:
+        self.target, self.accepted = port, 0
+        self.loop = asyncio.new_event_loop()
+        server = self.loop.run_until_complete(asyncio.start_server(self._forward, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await source.read(1 << 16):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 @pytest.mark.parametrize(
@@ -147,18 +163,21 @@ def client_ports(server_port: int) -> set[int]:
 def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
     tls_server: Server, tmp_path: Path, proto: list[str], protocol: str, connections: int
 ) -> None:
-    before = client_ports(tls_server.port)
+    proxy = CountingProxy(tls_server.port)
     out = tmp_path / "record.json"
-    done = subprocess.run(
-        [PYTHON, "-m", "workloads.replay", "--proto", *proto, "--url",
-         f"https://localhost:{tls_server.port}", "--cacert", str(CERT), "--rate", "8",
-         "--num-requests", "12", "--output-tokens", "4:8", "--no-progress", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [PYTHON, "-m", "workloads.replay", "--proto", *proto, "--url",
+             f"https://localhost:{proxy.port}", "--cacert", str(CERT), "--rate", "8",
+             "--num-requests", "12", "--output-tokens", "4:8", "--no-progress", "--out", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        proxy.close()
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["summary"]["completed"] == 12
     logged = [tls_server.logged(r["server_request_id"]) for r in record["requests"]]
     assert {line["protocol"] for line in logged} == {protocol}
     # HTTP/2: one connection, opened before the run and carrying every request.
-    assert len(client_ports(tls_server.port) - before) == connections
+    assert proxy.accepted == connections
