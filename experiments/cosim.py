@@ -31,7 +31,6 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataRecei
 from config import Deployment
 from experiments.transport_micro import CONGESTION_CONTROL, QUIC_STACKS, STACKS
 from router.admission import admission_for
-from router.env import replica_for
 from router.features import ArrivalRateEstimator, FeatureEncoder
 from router.policies import Policy
 from router.sim import DEADLINE, Finished, Job, Simulator
@@ -139,7 +138,7 @@ class VirtualGateway:
         if not isinstance(view, ClusterView):
             return ended, None
         obs = self.encoder.encode(view, request, rate)
-        replica = replica_for(view, self.policy.choose(obs, request, view))
+        replica = view.replica_for(self.policy.choose(obs, request, view))
         self.sim.submit(request, replica)
         return ended, self.sim.replicas[replica].model
 

@@ -213,9 +213,14 @@ def run_cells(cells: list[Cell], jobs: int) -> tuple[list[dict[str, object]], st
             for future in tqdm(as_completed(futures), total=len(cells), unit="cell"):
                 rows += future.result()
                 finished += 1
-        except (BrokenProcessPool, KeyboardInterrupt) as error:
+        except (KeyboardInterrupt, Exception) as error:
             pool.shutdown(wait=False, cancel_futures=True)
-            why = "interrupted" if isinstance(error, KeyboardInterrupt) else "a worker died"
+            if isinstance(error, KeyboardInterrupt):
+                why = "interrupted"
+            elif isinstance(error, BrokenProcessPool):
+                why = "a worker died"
+            else:  # a cell's own failure: the others' rows are still worth keeping
+                why = f"a cell failed ({type(error).__name__}: {error})"
             return rows, f"{why}: {len(cells) - finished} of {len(cells)} cells did not finish"
         pool.shutdown()
     return rows, None
@@ -301,10 +306,11 @@ def check_targets(summary: list[dict[str, object]]) -> list[str]:
 
 
 def saturation(rates: Sequence[float], link: LinkConfig) -> list[str]:
-    """Where the link saturates: the response bytes each rate asks of the downlink."""
+    """Where the link saturates: the response bytes each rate asks of the downlink (from a
+    sample of RATE_SECONDS of the workload; the classes do not change a response's length)."""
     lines = []
     for rate in rates:
-        reqs = workload(WorkloadSpec(Poisson(rate)), 0, RATE_SECONDS)
+        reqs = requests(WorkloadSpec(Poisson(rate)), 0, RATE_SECONDS)
         tokens = sum(r.max_tokens or 1 for r in reqs)
         mbps = tokens * TOKEN_BYTES * 8 / RATE_SECONDS / 1e6
         lines.append(f"{rate:>6g} req/s: {mbps:6.2f} Mbit/s of SSE events"
@@ -418,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     if args.report:
         rows = rows_to_report(parser, out)
+        stable = {float(r["phase"]) for r in rows if r["workload"] == "stable"}  # type: ignore[arg-type]
+        rates = tuple(sorted(stable)) or rates
     else:
         available = baselines(deployment, Path("results"), only=policies)  # tunes once, cached
         if missing := [p for p in policies if p not in available]:
@@ -434,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             kept = f"; the {len(rows)} runs that ended are in {out / 'runs.csv'}" if rows else ""
             parser.exit(1, f"error: {stopped}{kept}\n")
     summary = print_tables(rows, policies)
+    if not summary:
+        parser.exit(2, f"error: {out / 'runs.csv'} has no runs of {', '.join(policies)}\n")
     write_csv(out / "cells.csv", summary)
     plot(summary, policies, out)
     print()

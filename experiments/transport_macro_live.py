@@ -34,6 +34,7 @@ import asyncio
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from config import Deployment, load_deployment
 from experiments.cosim import Delivery
 from experiments.live import cpu_seconds, live_policy
 from experiments.output import write_csv
+from experiments.policies import baselines
 from experiments.transport_macro import (
     DEPLOYMENT,
     RATE_SECONDS,
@@ -104,11 +106,18 @@ def live_run(
         ]  # fmt: skip
         log = folder / f"{name}.server.log"
         with log.open("wb") as server_log:
-            served = net.popen(net.server, server, cwd=ROOT, env=env, stderr=server_log)
+            served = net.popen(
+                net.server, server, cwd=ROOT, env=env, stdout=server_log, stderr=server_log
+            )
         # Asked from inside the server's namespace: the readiness check stays off the link.
         url = f"{'https' if tls else 'http'}://{host}:{TLS_PORT if tls else HTTP_PORT}"
         me = [sys.executable, "-m", "experiments.transport_macro_live"]
-        if net.popen(net.server, [*me, "wait", url], cwd=ROOT).wait() != 0:
+        waiter = net.popen(net.server, [*me, "wait", url], cwd=ROOT)
+        while waiter.poll() is None:
+            if served.poll() is not None:  # it died starting: no use waiting for it
+                waiter.kill()
+            time.sleep(0.2)
+        if waiter.returncode != 0:
             raise RuntimeError(f"{name}: the server did not start; its log ends:\n"
                                f"{log.read_text()[-2000:]}")  # fmt: skip
         proto = {"h1-tls": ["h1", "--connection-per-request"], "h2-tls": ["h2"]}.get(
@@ -123,9 +132,14 @@ def live_run(
         ]  # fmt: skip
         before = cpu_seconds(served.pid)
         with (folder / f"{name}.client.log").open("wb") as client_log:
-            code = net.popen(
+            sender = net.popen(
                 net.client, client, cwd=ROOT, env=env, stdout=client_log, stderr=client_log
-            ).wait()
+            )
+        try:
+            # Every request ends by its --timeout: past this, the load generator is stuck.
+            code = sender.wait(seconds + TIMEOUT_AFTER_RUN_S + 120)
+        except subprocess.TimeoutExpired:
+            code = None  # killed at the emulator's teardown
         spent = cpu_seconds(served.pid) - before
     if code not in (0, 1) or not record_path.exists():
         raise RuntimeError(f"{name}: the load generator exited with {code}; see "
@@ -146,8 +160,10 @@ def as_delivery(request: Request, outcome: Outcome) -> Delivery:
         status = 200
     elif outcome.error_kind == "timeout":
         status = None  # not done by the end, as the co-simulation leaves one at its horizon
+    elif outcome.status in (None, 200):
+        status = 0  # a connection's failure, or a stream that failed after its 200
     else:
-        status = outcome.status or 0  # an error answer (504, ...), or a connection's failure
+        status = outcome.status  # an error answer (504, ...)
     return Delivery(
         request,
         model=outcome.model,
@@ -158,7 +174,7 @@ def as_delivery(request: Request, outcome: Outcome) -> Delivery:
     )
 
 
-def live_row(
+def live_phase_row(
     deployment: Deployment, stack: str, policy: str, seed: int, rate: float, seconds: float,
     folder: Path,
 ) -> dict[str, object]:  # fmt: skip
@@ -183,8 +199,9 @@ def live_row(
         "client_cores": round(health["cpu_share_of_core"], 3),
         "credit_waited": health["credit_waited"],
         "server_cores": round(record["server_cores"], 3),
-        "prompt_tokens_long": round(statistics.fmean(
-            [o.prompt_tokens or 0 for o in outcomes if o.qos_class == "long"] or [0])),
+        "prompt_tokens_long": round(statistics.fmean([
+            o.prompt_tokens for o in outcomes if o.qos_class == "long" and o.completed
+            and o.prompt_tokens] or [0])),
     }  # fmt: skip
 
 
@@ -195,27 +212,30 @@ def compare(rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     """Virtual and live scores side by side, and their difference: per run (policy, stack,
     rate; the mean over seeds), then per cell (policy, stack; the mean over its rates, as
     `transport_macro` scores a cell)."""
-    scores: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    scores: dict[tuple[str, str, str, str], list[float]] = {}  # (policy, stack, rate, mode)
     for r in rows:
-        run = (str(r["policy"]), str(r["stack"]), str(r["phase"]))
-        scores.setdefault(run, {}).setdefault(str(r["mode"]), []).append(float(r["score"]))  # type: ignore[arg-type]
-
-    def entry(policy: str, stack: str, rate: str, runs: list[dict[str, list[float]]]) -> dict:
-        means = [
-            statistics.fmean(statistics.fmean(run[mode]) for run in runs if mode in run)
-            if any(mode in run for run in runs) else math.nan
+        key = (str(r["policy"]), str(r["stack"]), str(r["phase"]), str(r["mode"]))
+        scores.setdefault(key, []).append(float(r["score"]))  # type: ignore[arg-type]
+    runs = sorted({k[:3] for k in scores}, key=lambda k: (k[0], STACKS.index(k[1]), float(k[2])))
+    run_means = {
+        (*run, mode): statistics.fmean(scores[(*run, mode)]) if (*run, mode) in scores else math.nan
+        for run in runs
+        for mode in ("virtual", "live")
+    }
+    out = [_entry(*run, run_means[(*run, "virtual")], run_means[(*run, "live")]) for run in runs]
+    for policy, stack in dict.fromkeys(run[:2] for run in runs):
+        rates = [run[2] for run in runs if run[:2] == (policy, stack)]
+        virtual, live = (
+            statistics.fmean(run_means[(policy, stack, rate, mode)] for rate in rates)
             for mode in ("virtual", "live")
-        ]  # fmt: skip
-        virtual, live = means
-        return {"policy": policy, "stack": stack, "rate": rate, "virtual": round(virtual, 4),
-                "live": round(live, 4), "difference": round(live - virtual, 4)}  # fmt: skip
-
-    order = sorted(scores, key=lambda k: (k[0], STACKS.index(k[1]), float(k[2])))
-    out = [entry(*run, [scores[run]]) for run in order]
-    for policy, stack in dict.fromkeys(run[:2] for run in order):
-        mine = [scores[run] for run in order if run[:2] == (policy, stack)]
-        out.append(entry(policy, stack, "all", mine))
+        )
+        out.append(_entry(policy, stack, "all", virtual, live))
     return out
+
+
+def _entry(policy: str, stack: str, rate: str, virtual: float, live: float) -> dict[str, object]:
+    return {"policy": policy, "stack": stack, "rate": rate, "virtual": round(virtual, 4),
+            "live": round(live, 4), "difference": round(live - virtual, 4)}  # fmt: skip
 
 
 def print_comparison(comparison: Sequence[dict[str, object]]) -> list[str]:
@@ -321,6 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except NetemError as error:
             parser.exit(2, f"error: {error}\n")
         deployment = load_deployment(name=DEPLOYMENT).with_admission("none")
+        if missing := set(policies) - set(baselines(deployment, Path("results"), only=policies)):
+            parser.exit(2, f"error: no policy {sorted(missing)}: train one with "
+                        "python -m router.train\n")  # fmt: skip
         cells = [
             (stack, policy, "stable", seed, rates, args.seconds)
             for seed in range(args.seeds)
@@ -336,13 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         runs = [(stack, policy, seed, rate) for stack, policy, _, seed, _, _ in cells
                 for rate in rates]  # fmt: skip
+        write_csv(out / "runs.csv", rows)
         try:
             for stack, policy, seed, rate in tqdm(runs, desc="live runs", unit="run"):
-                rows.append(live_row(deployment, stack, policy, seed, rate, args.seconds, folder))
-        except KeyboardInterrupt:
-            write_csv(out / "runs.csv", rows)
-            parser.exit(1, f"error: interrupted; the runs that ended are in {out / 'runs.csv'}\n")
-        write_csv(out / "runs.csv", rows)
+                row = live_phase_row(deployment, stack, policy, seed, rate, args.seconds, folder)
+                rows.append(row)
+                write_csv(out / "runs.csv", rows)  # each run kept as it ends
+        except (KeyboardInterrupt, RuntimeError) as error:
+            why = "interrupted" if isinstance(error, KeyboardInterrupt) else str(error)
+            parser.exit(1, f"error: {why}\nthe runs that ended are in {out / 'runs.csv'}\n")
     comparison = compare(rows)
     write_csv(out / "comparison.csv", comparison)
     plot(comparison, out)

@@ -72,24 +72,6 @@ class RandomRates:
         return WorkloadSpec(arrivals=arrivals, classes=dict.fromkeys(self.classes, 1.0))
 
 
-def replica_for(view: ClusterView, action: int, models: list[str] | None = None) -> int:
-    """The replica an action sends the request to, as the gateway picks it: the action is a
-    replica, or with `models` an index into them. A replica that admission control ruled out is
-    swapped for the least-loaded of its model that it did not, else for the least-loaded of any;
-    a model goes to its least-loaded replica."""
-    if models is None:
-        if view.replicas[action].available:
-            return action
-        model = view.replicas[action].model
-    else:
-        model = models[action]
-    index = view.least_loaded(model)
-    if index is None:
-        index = view.least_loaded()
-    assert index is not None, "admission control lets in only what some replica can take"
-    return index
-
-
 class RoutingEnv(gym.Env[np.ndarray, np.int64]):
     metadata = {"render_modes": []}
 
@@ -171,7 +153,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         return done
 
     def replica_for(self, action: int, view: ClusterView) -> int:
-        return replica_for(view, action, None if self.action_kind == "replica" else self.models)
+        return view.replica_for(action, None if self.action_kind == "replica" else self.models)
 
     def view(self) -> ClusterView:
         """The cluster as the current request may use it: admission control's view."""

@@ -38,6 +38,23 @@ class ClusterView:
                 best = i
         return best
 
+    def replica_for(self, action: int, models: Sequence[str] | None = None) -> int:
+        """The replica an action sends the request to, as the gateway picks it: the action is a
+        replica, or with `models` an index into them. A replica that admission control ruled out
+        is swapped for the least-loaded of its model that it did not, else for the least-loaded
+        of any; a model goes to its least-loaded replica."""
+        if models is None:
+            if self.replicas[action].available:
+                return action
+            model = self.replicas[action].model
+        else:
+            model = models[action]
+        index = self.least_loaded(model)
+        if index is None:
+            index = self.least_loaded()
+        assert index is not None, "admission control lets in only what some replica can take"
+        return index
+
     def only(self, allowed: Sequence[bool]) -> ClusterView:
         """This view with the replicas not `allowed` marked unavailable."""
         if all(allowed):

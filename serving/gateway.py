@@ -280,13 +280,8 @@ class Gateway:
             index = view.least_loaded(model)
         else:
             obs = self.encoder.encode(view, request, rate)
-            index = self.policy.choose(obs, request, view)
+            index = view.replica_for(self.policy.choose(obs, request, view))
             self.metrics.route.observe(time.perf_counter() - started)
-            if not view.replicas[index].available:
-                chosen = view.replicas[index].model
-                index = view.least_loaded(chosen)
-                if index is None:
-                    index = view.least_loaded()
         assert index is not None
         return index
 

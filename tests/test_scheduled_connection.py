@@ -208,3 +208,14 @@ def test_same_seed_same_run_under_loss(certificate):
 
     assert run_once(3) == run_once(3)
     assert run_once(3) != run_once(4)
+
+
+def test_a_write_to_an_idle_connection_goes_out_at_the_next_run(certificate):
+    # Right after the handshake nothing is in flight to mark the client busy: the run itself
+    # must poll it, or the request waits for an unrelated timer.
+    bench = Bench("fcfs", certificate, link=LinkConfig(rate_bps=1e9, delay_s=0.025))
+    stream_id = bench.open(8)
+    bench.run()
+    transfer = bench.transfers[stream_id]
+    # One way up, one way down: a round trip of 50 ms, and a little.
+    assert transfer.done_at - transfer.opened_at < 0.051

@@ -133,8 +133,10 @@ class CountingProxy:
     def __init__(self, port: int) -> None:
         self.target, self.accepted = port, 0
         self.loop = asyncio.new_event_loop()
-        server = self.loop.run_until_complete(asyncio.start_server(self._forward, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self.server = self.loop.run_until_complete(
+            asyncio.start_server(self._forward, "127.0.0.1", 0)
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
@@ -152,13 +154,38 @@ class CountingProxy:
         await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
     def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
+
+
+def test_an_http2_connection_outlives_a_thousand_requests(tls_server: Server) -> None:
+    # hypercorn's default ends a connection with GOAWAY after 1,000 requests; a client then
+    # opens another, and fails those it had queued on the old one.
+    proxy = CountingProxy(tls_server.port)
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(verify=str(CERT), http1=False, http2=True) as client:
+            url = f"https://localhost:{proxy.port}/healthz"
+            return [(await client.get(url)).status_code for _ in range(1_050)]
+
+    try:
+        statuses = asyncio.run(run())
+    finally:
+        proxy.close()
+    assert statuses == [200] * 1_050
+    assert proxy.accepted == 1
 
 
 @pytest.mark.parametrize(
     "proto, protocol, connections",
-    [(["h2"], "2", 1), (["h1", "--connection-per-request"], "1.1", 12)],
+    [
+        (["h2"], "2", 1),
+        # Two streams at a time: the others wait in the client, not fail.
+        (["h2", "--h2-streams", "2", "--rate", "50"], "2", 1),
+        (["h1", "--connection-per-request"], "1.1", 12),
+    ],
 )
 def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
     tls_server: Server, tmp_path: Path, proto: list[str], protocol: str, connections: int
@@ -167,9 +194,9 @@ def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
     out = tmp_path / "record.json"
     try:
         done = subprocess.run(
-            [PYTHON, "-m", "workloads.replay", "--proto", *proto, "--url",
-             f"https://localhost:{proxy.port}", "--cacert", str(CERT), "--rate", "8",
-             "--num-requests", "12", "--output-tokens", "4:8", "--no-progress", "--out", str(out)],
+            [PYTHON, "-m", "workloads.replay", "--url", f"https://localhost:{proxy.port}",
+             "--cacert", str(CERT), "--rate", "8", "--num-requests", "12", "--output-tokens",
+             "4:8", "--no-progress", "--out", str(out), "--proto", *proto],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     finally:
@@ -181,3 +208,5 @@ def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
     assert {line["protocol"] for line in logged} == {protocol}
     # HTTP/2: one connection, opened before the run and carrying every request.
     assert proxy.accepted == connections
+    if "--h2-streams" in proto:
+        assert record["client"]["credit_waited"] > 0

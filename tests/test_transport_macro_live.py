@@ -82,6 +82,10 @@ def test_a_live_outcome_is_put_on_the_co_simulations_clock() -> None:
     assert refused.status == 504
     cut = transport_macro_live.as_delivery(request, outcome(error_kind="connection", error="reset"))
     assert (cut.status, cut.done) == (0, None)
+    broken = transport_macro_live.as_delivery(
+        request, outcome(status=200, error_kind="stream", error="ended without [DONE]", e2el_s=1.0)
+    )
+    assert broken.status == 0  # its 200 came, but not the whole answer: not a success
     late = transport_macro_live.as_delivery(request, outcome(error_kind="timeout", error="late"))
     assert late.status is None  # not done, as the co-simulation leaves one at its horizon
 

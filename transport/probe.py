@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 
 PORT = 9400
-_SO_RCVBUFFORCE = 33  # Linux's value; Python's socket module does not export it
 """UDP: echo (datagrams starting with b'E') and loss counting (b'L'); TCP: goodput and counts."""
+_SO_RCVBUFFORCE = 33  # Linux's value; Python's socket module does not export it
 
 
 def serve(port: int = PORT) -> None:
@@ -85,7 +85,8 @@ def rtt(host: str, count: int = 20, size: int = 100, port: int = PORT) -> dict[s
         payload = b"E" + struct.pack("!I", i) + bytes(size)
         start = time.monotonic()
         sock.send(payload)
-        with contextlib.suppress(TimeoutError):
+        # A connected socket hears the ICMP refusal of a server not up yet: a lost echo too.
+        with contextlib.suppress(TimeoutError, ConnectionRefusedError):
             while (left := start + 1.0 - time.monotonic()) > 0:
                 sock.settimeout(left)
                 if sock.recv(65535) == payload:

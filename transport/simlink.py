@@ -57,13 +57,14 @@ class SimulatedPath:
         self._speaking: set[int] = set()  # a server has no path to send on until it hears one
         self._dirty: dict[int, QuicConnection] = {}  # to poll, in order (a dict as ordered set)
         self._timers: list[tuple[float, int, QuicConnection]] = []  # may hold stale entries
+        self._armed: dict[int, float] = {}  # each connection's live entry in _timers
         self.connect(client, server)
 
     def connect(self, client: QuicConnection, server: QuicConnection) -> None:
         """Start `client`'s handshake with `server` over this link, now."""
         address = (CLIENT_ADDR[0], CLIENT_ADDR[1] + len(self._ends) // 2)
-        self._ends[id(client)] = _End(client, server, self._up, address)
-        self._ends[id(server)] = _End(server, client, self._down, SERVER_ADDR)
+        self._ends[id(client)] = _End(server, self._up, address)
+        self._ends[id(server)] = _End(client, self._down, SERVER_ADDR)
         self._speaking.add(id(client))
         client.connect(SERVER_ADDR, now=self.now)
         self.touch(client)
@@ -74,6 +75,7 @@ class SimulatedPath:
             self._ends.pop(id(connection), None)
             self._speaking.discard(id(connection))
             self._dirty.pop(id(connection), None)
+            self._armed.pop(id(connection), None)
 
     def touch(self, connection: QuicConnection) -> None:
         """`connection` may have something to send: a callback that writes to a connection
@@ -98,6 +100,9 @@ class SimulatedPath:
     def run(self, until: Callable[[], bool], timeout: float = 60.0) -> float:
         """Advance virtual time until `until()` holds; returns the time. TimeoutError past
         `timeout` virtual seconds."""
+        # The caller may have written to the first pair since the last run, without a touch.
+        self.touch(self.client)
+        self.touch(self.server)
         self._settle()
         while not until():
             wake = [self._timers[0][0]] if self._timers else []
@@ -120,11 +125,14 @@ class SimulatedPath:
                     self._speaking.add(id(destination))
                     self.touch(destination)
             while self._timers and self._timers[0][0] <= self.now:
-                _, _, connection = heapq.heappop(self._timers)
+                due, _, connection = heapq.heappop(self._timers)
+                if self._armed.get(id(connection)) != due:
+                    continue  # superseded by a later entry, or its connection is gone
+                del self._armed[id(connection)]
                 timer = connection.get_timer()
-                if id(connection) in self._ends and timer is not None and timer <= self.now:
+                if timer is not None and timer <= self.now:
                     connection.handle_timer(now=self.now)
-                    self.touch(connection)
+                self.touch(connection)  # polled again, so that its next timer is armed
             while self._calls and self._calls[0][0] <= self.now:
                 _, _, callback = heapq.heappop(self._calls)
                 callback(self.now)
@@ -158,7 +166,11 @@ class SimulatedPath:
                     self.touch(connection)
         for connection in polled.values():
             timer = connection.get_timer()
-            if timer is not None and id(connection) in self._ends:
+            key = id(connection)
+            # One live entry a connection: pushing every poll's timer again piled up thousands
+            # of stale entries, each a wake-up for nothing.
+            if timer is not None and key in self._ends and self._armed.get(key) != timer:
+                self._armed[key] = timer
                 heapq.heappush(self._timers, (timer, next(self._order), connection))
 
     def _transmit(self, connection: QuicConnection) -> bool:
@@ -180,7 +192,6 @@ class _End:
     """One connection's end of the link: whom it talks to, which direction it sends on, and the
     address its datagrams come from."""
 
-    connection: QuicConnection
     peer: QuicConnection
     direction: LinkDirection
     address: tuple[str, int]

@@ -45,8 +45,8 @@ class ChatResult:
     """From the request going out to the last chunk with choices (the last token); for an
     answer with an error status, to the end of that answer."""
     credit_wait_s: float = 0.0
-    """HTTP/3: how long the request waited in the client for stream credit before it went out;
-    not part of TTFT or E2EL."""
+    """How long the request waited in the client for a stream before it went out (HTTP/3's
+    stream credit, or the load generator's HTTP/2 stream limit); not part of TTFT or E2EL."""
     usage: dict[str, int] | None = None
     error: str | None = None
 

@@ -100,6 +100,11 @@ class Client:
         self.args, self.deployment = args, deployment
         self.h3: Http3Pool | None = None
         self.h2: httpx.AsyncClient | None = None
+        # httpx opens a stream past the server's SETTINGS_MAX_CONCURRENT_STREAMS and fails the
+        # request ("Max outbound streams is 100, 100 open") instead of waiting for one to close,
+        # so the requests wait here, as HTTP/3's wait for stream credit.
+        self.h2_streams = asyncio.Semaphore(args.h2_streams)
+        self._draining: set[asyncio.Task[ChatResult]] = set()
         self.h1: aiohttp.ClientSession | None = None
 
     @asynccontextmanager
@@ -123,7 +128,7 @@ class Client:
             ) as self.h2:  # fmt: skip
                 # Open it before the first request, as HTTP/3's pool does: the run times the
                 # requests, not the handshake.
-                await self.h2.get(self.args.url + "/v1/models")
+                await self.h2.get(self.args.url + "/v1/models", timeout=30)
                 yield self
         else:
             # As `vllm bench serve`: keep-alive connections, as many as requests in flight (an
@@ -133,7 +138,7 @@ class Client:
             connector = aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=None if self.args.connection_per_request else 60,
                 force_close=self.args.connection_per_request, enable_cleanup_closed=True,
-                ssl=False if self.args.insecure else _ssl_context(verify),
+                ssl=_ssl_context(verify),
             )  # fmt: skip
             timeout = aiohttp.ClientTimeout(total=None, connect=30)
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as self.h1:
@@ -147,9 +152,31 @@ class Client:
             spec = stream_spec(qos, time.monotonic()) if qos is not None else None
             return await chat_h3(self.h3, body, headers, spec=spec)
         if self.h2 is not None:
-            return await chat_h2(self.h2, self.args.url, body, headers)
+            return await self._send_h2(body, headers)
         assert self.h1 is not None
         return await chat_h1(self.h1, self.args.url, body, headers)
+
+    async def _send_h2(self, body: dict[str, Any], headers: dict[str, str]) -> ChatResult:
+        """One request on the HTTP/2 connection, once a stream is free. A request cut by its
+        timeout is read to its end in the background, holding its stream: httpx abandons a
+        stream without resetting it, so the connection would count it open, and a later
+        request would fail on the stream limit, the same as above."""
+        assert self.h2 is not None
+        queued = time.perf_counter()
+        await self.h2_streams.acquire()
+        waited = time.perf_counter() - queued
+        task = asyncio.ensure_future(chat_h2(self.h2, self.args.url, body, headers))
+        self._draining.add(task)
+        task.add_done_callback(self._drained)
+        result = await asyncio.shield(task)
+        result.credit_wait_s = waited
+        return result
+
+    def _drained(self, task: asyncio.Task[ChatResult]) -> None:
+        self._draining.discard(task)
+        self.h2_streams.release()
+        if not task.cancelled():
+            task.exception()  # retrieved here too: the waiter may have been cut and gone
 
 
 def _ssl_context(verify: bool | str) -> ssl.SSLContext:
@@ -267,8 +294,8 @@ def client_health(outcomes: Sequence[Outcome], duration_s: float, cpu_s: float) 
         )
     if p99_wait > MAX_P99_LAG_S:
         warnings.append(
-            f"{waited} requests waited for HTTP/3 stream credit, p99 {p99_wait * 1000:.0f} ms: "
-            "the server saw them late; raise --connections"
+            f"{waited} requests waited for stream credit, p99 {p99_wait * 1000:.0f} ms: "
+            "the server saw them late; raise --connections (h3) or --h2-streams (h2)"
         )
     return {
         "p99_lag_ms": p99_lag * 1000,
@@ -356,6 +383,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["h3", "h2", "h1"],
         default="h3",
         help="h2: HTTP/2 over TLS (an https:// --url), every request on one connection",
+    )
+    net.add_argument(
+        "--h2-streams",
+        type=int,
+        default=100,
+        help="h2: requests in flight at once on the connection, the server's "
+        "SETTINGS_MAX_CONCURRENT_STREAMS (hypercorn's default); the rest wait in the client",
     )
     net.add_argument(
         "--connection-per-request",
@@ -464,6 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.proto == "h2" and not args.url.startswith("https://"):
         print("error: --proto h2 is HTTP/2 over TLS: give an https:// --url (a server with "
               "--tls)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.h2_streams < 1:
+        print("error: --h2-streams must be at least 1", file=sys.stderr)
         return 2
     if args.connection_per_request and args.proto != "h1":
         print("error: --connection-per-request is for --proto h1", file=sys.stderr)
