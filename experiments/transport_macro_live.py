@@ -140,6 +140,9 @@ def live_run(
             code = sender.wait(seconds + TIMEOUT_AFTER_RUN_S + 120)
         except subprocess.TimeoutExpired:
             code = None  # killed at the emulator's teardown
+        if served.poll() is not None:  # its requests are counted, but this is no measurement
+            raise RuntimeError(f"{name}: the server exited ({served.returncode}) during the run; "
+                               f"its log ends:\n{log.read_text()[-2000:]}")  # fmt: skip
         spent = cpu_seconds(served.pid) - before
     if code not in (0, 1) or not record_path.exists():
         raise RuntimeError(f"{name}: the load generator exited with {code}; see "
@@ -378,6 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cores = max((float(r["server_cores"]) for r in live), default=0.0)  # type: ignore[arg-type]
     print(f"\ncongestion control: QUIC {CONGESTION_CONTROL}, TCP {tcp} (the kernel's); "
           f"the live server's CPU: up to {cores:.2f} cores")  # fmt: skip
+    failed = [r for r in live if int(r["errors"]) + int(r["unfinished"])]  # type: ignore[call-overload]
+    if failed:
+        count = sum(int(r["errors"]) + int(r["unfinished"]) for r in failed)  # type: ignore[call-overload]
+        print(f"note: {count} live request(s) ended in an error or unfinished, in {len(failed)} "
+              f"run(s) (a miss the co-simulation counts too; the records in {out / 'live'} say "
+              "why)")  # fmt: skip
     if behind:
         print(
             f"warning: the load generator fell behind in {len(behind)} live run(s): "

@@ -175,3 +175,15 @@ def test_the_replay_says_when_it_could_not_keep_up() -> None:
     assert not busy["kept_up"] and "of a core" in busy["warnings"][0]
     waited = client_health(outcomes(0.01, 0.2), duration_s=10, cpu_s=2)
     assert waited["credit_waited"] == 2 and "stream credit" in waited["warnings"][0]
+
+
+@pytest.mark.parametrize("arrival", [-1.0, float("nan"), float("inf"), "soon"])
+def test_a_request_that_cannot_be_scheduled_is_refused_with_its_line(
+    tmp_path: Path, arrival: object
+) -> None:
+    path = tmp_path / "requests.jsonl"
+    save_requests(path, list(requests(WorkloadSpec(Poisson(6.0)), 0, 1.0))[:1])
+    row = json.loads(path.read_text())
+    path.write_text(path.read_text() + json.dumps({**row, "arrival": arrival}) + "\n")
+    with pytest.raises(ValueError, match="line 2: not a request .*arrival"):
+        load_requests(path)

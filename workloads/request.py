@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,4 +66,9 @@ def _request(row: dict[str, Any]) -> Request:
     prompt = row["prompt"]
     if not isinstance(prompt, str):
         prompt = tuple(Message(m["role"], m["content"]) for m in prompt)
-    return Request(**{**row, "prompt": prompt})
+    request = Request(**{**row, "prompt": prompt})
+    # What the server checks (max_tokens, the class, the prompt) is its to refuse, with a 4xx the
+    # run counts; when to send is the load generator's alone.
+    if not (isinstance(request.arrival, int | float) and 0 <= request.arrival < math.inf):
+        raise ValueError(f"arrival must be a number of seconds from 0 on, not {request.arrival!r}")
+    return request
