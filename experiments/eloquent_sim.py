@@ -2,23 +2,34 @@
 virtual time.
 
 A real aioquic client and server, with HTTP/3 and datagrams on, talk through a simulated link
-(`transport.simlink`) with bursty Gilbert-Elliott loss, one chain per direction. The server
-answers one request by generating a token every 100 ms for 30 s. Every token goes on the HTTP/3
-response stream, which QUIC delivers reliably and in order; the schemes differ in what else is
-sent:
-- `stream`: nothing else; a lost packet is repaired by QUIC's retransmission.
-- `dup-k`: each token also in k datagrams, each in its own packet.
-- `eloquent`: the token, with the earlier unacknowledged ones, in one datagram
-  (`transport.eloquent`, the paper's 10 tokens a packet); unacknowledged ones are re-sent after
-  200 ms without a new token, and the client acknowledges by datagram.
+(`transport.simlink`) with bursty Gilbert-Elliott loss, one chain per direction (or, with
+`--ack-loss none`, on the downlink only). The server answers one chat request with the event
+stream that `serving.api` renders, one event every 100 ms for 30 s, on the HTTP/3 response stream,
+which QUIC delivers reliably and in order. Server and client run Eloquent through the same
+lanes as the live server and client (`transport.eloquent.driver`), so these datagrams are the
+live ones byte for byte. The schemes differ in what is sent beside the stream:
+- `stream`: nothing; a lost packet is repaired by QUIC's retransmission.
+- `dup-k`: each event's text (token-sized, with the envelope until acknowledged) in k datagrams,
+  each in its own packet; no repeats.
+- `el-events`: issue 6's Eloquent: whole events, at most 10 a datagram, re-sent after 200 ms
+  without a new event (Algorithm 1).
+- `el-paper`: the same with token-sized positions: the paper's sender, T = 10.
+- `el-room`: no cap on the count; the payload's room alone limits the repeats.
+- `el-window`: room, and only tokens generated within 2·RTT + L are repeated.
+- `el-tail`: room, and the unacknowledged tail is re-sent every 50 ms while ACKs are missing,
+  even while new tokens flow.
+- `el-allow`: room, and the server's datagrams may exceed QUIC's congestion window by one
+  packet while they wait for it (`ScheduledQuicConnection.datagram_allowance`).
+- `eloquent`: room, window, tail and allowance together: what the server runs.
 The client renders the longest contiguous prefix from whichever path delivers first.
 
 Metrics (seed 002 §4): the stall ratio (time in inter-render gaps over 200 ms, over the session,
 from the first token's generation to the last render); the share of late tokens (rendered over
-400 ms after generation); the redundancy rate, counted two ways: on the wire (every UDP byte
-sent toward the client, headers included, over the token bytes) and in payload (stream bytes
-once plus datagram payloads, over the token bytes; QUIC's own retransmissions are in the wire
-count only). Loss patterns are given as mean durations (the seed's p and q are ambiguous):
+400 ms after generation); the redundancy rate, two ways: in payload (datagram payload bytes, the
+bytes a scheme adds beside the stream, over the tokens' text bytes) and on the wire (every UDP
+byte sent toward the client, headers and the stream's JSON included, over the text bytes); and
+the median tokens a datagram carried. Loss patterns are given as mean durations (the seed's p
+and q are ambiguous):
 
     default  good 1000 ms, lossy 200 ms at 90% loss, 100 ms slots: ~15% loss (p=0.9, q=0.5)
     frequent good  200 ms, lossy 200 ms at 90% loss: ~45% loss       (p=0.5, q=0.5)
@@ -30,13 +41,17 @@ Writes results/eloquent_sim.csv and .png and prints the table with the targets' 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
-from aioquic.buffer import Buffer, size_uint_var
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
@@ -45,42 +60,84 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from tqdm import tqdm
 
 from experiments.output import write_csv
+from serving.api import _Shape
+from transport.connection import adopt
 from transport.eloquent import (
+    DATAGRAM_ALLOWANCE,
+    HEADER,
     EloquentReceiver,
     EloquentSender,
-    TokenEntry,
-    Tokens,
-    late_share,
-    stall_ratio,
+    ReceiverLane,
+    SenderLane,
 )
+from transport.eloquent.driver import datagram_sender
+from transport.eloquent.sse import split_text
 from transport.link import GilbertElliott, LinkConfig
 from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 from workloads.examples import corpus
+from workloads.metrics import late_share, stall_ratio
 
 LOSS_PATTERNS = {
     "default": GilbertElliott(good_slots=10, bad_slots=2),
     "frequent": GilbertElliott(good_slots=2, bad_slots=2),
     "long": GilbertElliott(good_slots=10, bad_slots=5),
 }
-SCHEMES = ("stream", "dup-2", "dup-3", "dup-4", "dup-5", "eloquent")
+BASE = {"window": False, "tail_resend": False}
+SENDERS: dict[str, dict[str, Any]] = {
+    "el-events": BASE | {"max_repeats": 9, "envelopes": 0},
+    "el-paper": BASE | {"max_repeats": 9},
+    "el-room": BASE,
+    "el-window": BASE | {"window": True},
+    "el-tail": BASE | {"tail_resend": True},
+    "el-allow": BASE | {"allowance": DATAGRAM_ALLOWANCE},
+    "eloquent": {"allowance": DATAGRAM_ALLOWANCE},
+}
+"""Each Eloquent variant's sender settings, beside EloquentSender's defaults (the server's),
+and `allowance`, the server connection's `datagram_allowance`."""
+SCHEMES = ("stream", "dup-2", "dup-3", "dup-4", "dup-5", *SENDERS)
 TOKEN_GAP_S = 0.1
-PAPER_T = 10
-"""Tokens per packet in seed 002 (§4.1), the new one included."""
 
 
-def tokens(n: int) -> list[bytes]:
+def words(n: int) -> list[str]:
     """n word-sized tokens of English text, as an LLM would stream them."""
-    words = corpus().split()
-    return [(" " + words[i % len(words)]).encode() for i in range(n)]
+    corpus_words = corpus().split()
+    return [" " + corpus_words[i % len(corpus_words)] for i in range(n)]
 
 
-def _frame(data: bytes) -> bytes:
-    """A token on the stream: varint length, then the bytes, so the client can cut them apart."""
-    buf = Buffer(capacity=size_uint_var(len(data)) + len(data))
-    buf.push_uint_var(len(data))
-    buf.push_bytes(data)
-    return buf.data
+def server_events(texts: list[str]) -> list[bytes]:
+    """The event stream `serving.api` sends for a chat completion of these tokens, byte for
+    byte: its own renderer, fed a generation that yields them."""
+
+    class Generation:
+        request = SimpleNamespace(request_id="chatcmpl-0123456789abcdef0123456789abcdef")
+        model = "opt-1.3b"
+        replica = SimpleNamespace(name="opt-1.3b-0")
+
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            for i, text in enumerate(texts):
+                last = i == len(texts) - 1
+                yield SimpleNamespace(text=text, finish_reason="length" if last else None)
+
+    async def collect() -> list[bytes]:
+        shape = _Shape(Generation(), chat=True)  # type: ignore[arg-type]
+        shape.created = 1_700_000_000  # a fixed time of the right length: the same bytes always
+        return [event.encode() async for event in shape.sse(include_usage=False)]
+
+    return asyncio.run(collect())
+
+
+class _PathClock:
+    """The simulated link's clock, as a `transport.eloquent.Clock`."""
+
+    def __init__(self, path: SimulatedPath) -> None:
+        self._path = path
+
+    def time(self) -> float:
+        return self._path.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> None:
+        self._path.call_at(when, lambda now: callback())
 
 
 @dataclass
@@ -92,11 +149,11 @@ class Session:
     certificate: tuple[Path, Path]
     count: int = 300
     generated: list[float] = field(default_factory=list)
-    token_bytes: int = 0
+    text_bytes: int = 0
     datagram_bytes: int = 0
-    stream_bytes: int = 0
     wire_before: int = 0
     died: bool = False
+    _dup_queued: list[bytes] = field(default_factory=list)
 
     def run(self, timeout: float = 600.0) -> None:
         client_config = QuicConfiguration(
@@ -108,20 +165,33 @@ class Session:
             is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
         )
         server_config.load_cert_chain(*map(str, self.certificate))
-        self.server = QuicConnection(
-            configuration=server_config,
-            original_destination_connection_id=self.client.original_destination_connection_id,
+        self.server = adopt(
+            QuicConnection(
+                configuration=server_config,
+                original_destination_connection_id=self.client.original_destination_connection_id,
+            ),
+            "fcfs",
         )
         self.client_h3 = H3Connection(self.client, enable_webtransport=True)
         self.server_h3 = H3Connection(self.server, enable_webtransport=True)
-        self.receiver = EloquentReceiver()
-        self.sender = EloquentSender(max_repeats=PAPER_T - 1)
-        self._pending = b""
-        self._position = 0
-        self._timer_at: float | None = None
+        self.events = server_events(words(self.count))
         self.path = SimulatedPath(self.client, self.server, self.link, self._on_event)
+        clock = _PathClock(self.path)
         self.path.run(until=lambda: self.client._handshake_complete, timeout=timeout)
         self.stream_id = self.client.get_next_available_stream_id()
+        self.body: list[bytes] = []
+        self.receiver = EloquentReceiver()
+        to_server = datagram_sender(self.client, self.client_h3, self.stream_id)
+        self.client_lane = ReceiverLane(self.receiver, to_server, clock, self.body.append)
+        self.sender: EloquentSender | None = None
+        if self.scheme != "stream":
+            settings = dict(SENDERS.get(self.scheme, {"max_repeats": 0}))
+            self.server.datagram_allowance = settings.pop("allowance", 0)
+            self.sender = EloquentSender(**settings)
+            self._to_client = datagram_sender(self.server, self.server_h3, self.stream_id)
+            self.server_lane = SenderLane(
+                self.sender, self._server_datagram, clock, self._server_rtt
+            )
         self.client_h3.send_headers(
             self.stream_id,
             [
@@ -129,7 +199,7 @@ class Session:
                 (b":scheme", b"https"),
                 (b":authority", b"sim"),
                 (b":path", b"/v1/chat/completions"),
-                (b"x-eloquent", b"1"),
+                (HEADER, b"1"),
             ],
             end_stream=True,
         )
@@ -137,6 +207,30 @@ class Session:
             until=lambda: self.died or self.receiver.next_position >= self.count, timeout=timeout
         )
         self.end = self.path.now
+
+    def _server_rtt(self) -> float | None:
+        loss = self.server._loss
+        return loss._rtt_smoothed if loss._rtt_initialized else None
+
+    def _server_datagram(self, payload: bytes) -> None:
+        if self.scheme.startswith("dup-"):
+            # Copies must not supersede each other: each goes in a packet of its own, or the
+            # copies would die together. The last token's copies still waiting for the window
+            # are dropped, as Eloquent's superseded datagrams are (`datagram_sender`): queued
+            # behind a shut window they would fill every probe and starve the stream.
+            pending = self.server._datagrams_pending
+            stale = {id(frame) for frame in self._dup_queued}
+            for frame in [f for f in pending if id(f) in stale]:
+                pending.remove(frame)
+            self._dup_queued = []
+            for _ in range(int(self.scheme.removeprefix("dup-"))):
+                self.path.transmit()
+                self.datagram_bytes += len(payload)
+                self.server_h3.send_datagram(self.stream_id, payload)
+                self._dup_queued.append(pending[-1])
+            return
+        self.datagram_bytes += len(payload)
+        self._to_client(payload)
 
     def _on_event(self, connection: QuicConnection, event: QuicEvent, now: float) -> None:
         if isinstance(event, ConnectionTerminated):
@@ -148,96 +242,76 @@ class Session:
             if connection is self.server:
                 self._server_event(h3_event, now)
             else:
-                self._client_event(h3_event, now)
+                self._client_event(h3_event)
 
     def _server_event(self, event: H3Event, now: float) -> None:
         if isinstance(event, HeadersReceived):
-            self.server_h3.send_headers(event.stream_id, [(b":status", b"200")])
-            self.text = tokens(self.count)
-            start = now
-            for i in range(self.count):
-                self.path.call_at(start + i * TOKEN_GAP_S, lambda at, i=i: self._generate(i, at))
-        elif isinstance(event, DatagramReceived) and self.scheme == "eloquent":
-            self.sender.on_ack(event.data, now)
-            self._arm(now)
+            eloquent = [(HEADER, b"1")] if self.sender is not None else []
+            self.server_h3.send_headers(
+                event.stream_id,
+                [(b":status", b"200"), (b"content-type", b"text/event-stream"), *eloquent],
+            )
+            for i in range(len(self.events)):
+                self.path.call_at(now + i * TOKEN_GAP_S, lambda at, i=i: self._generate(i, at))
+        elif isinstance(event, DatagramReceived) and self.sender is not None:
+            self.server_lane.datagram(event.data)
 
     def _generate(self, i: int, now: float) -> None:
         if i == 0:  # bytes before the first token (the handshake, the request) are not its cost
             self.wire_before = self.path.bytes_sent[1]
-        data = self.text[i]
-        self.generated.append(now)
-        self.token_bytes += len(data)
-        framed = _frame(data)
-        self.stream_bytes += len(framed)
-        self.server_h3.send_data(self.stream_id, framed, end_stream=i == self.count - 1)
-        if self.scheme.startswith("dup-"):
-            payload = Tokens((TokenEntry(i, data),)).encode()
-            for _ in range(int(self.scheme.removeprefix("dup-"))):
-                self.path.transmit()  # each copy in a packet of its own, or copies die together
-                self._datagram(payload)
-        elif self.scheme == "eloquent":
-            for payload in self.sender.on_tokens(data, now):
-                self._datagram(payload)
-            if i == self.count - 1:
-                self.sender.finish()
-            self._arm(now)
+        event = self.events[i]
+        last = i == len(self.events) - 1
+        if i < self.count:
+            self.generated.append(now)
+            cut = split_text(event)
+            assert cut is not None
+            self.text_bytes += len(cut[1])
+        self.server_h3.send_data(self.stream_id, event, end_stream=last)
+        if self.sender is not None:
+            self.server_lane.body(event, ended=last)
 
-    def _datagram(self, payload: bytes) -> None:
-        self.datagram_bytes += len(payload)
-        self.server_h3.send_datagram(self.stream_id, payload)
-
-    def _arm(self, now: float) -> None:
-        """Keep one application timer pending for the sender's next re-send."""
-        due = self.sender.timer()
-        if due is None or (self._timer_at is not None and self._timer_at <= due):
-            return
-        self._timer_at = due
-        self.path.call_at(due, self._fire)
-
-    def _fire(self, now: float) -> None:
-        self._timer_at = None
-        for payload in self.sender.on_timer(now):
-            self._datagram(payload)
-        self._arm(now)
-
-    def _client_event(self, event: H3Event, now: float) -> None:
-        if isinstance(event, DataReceived):
-            self._pending += event.data
-            buf = Buffer(data=self._pending)
-            while not buf.eof():
-                start = buf.tell()
-                try:
-                    data = buf.pull_bytes(buf.pull_uint_var())
-                except Exception:  # a token cut across two stream deliveries
-                    buf.seek(start)
-                    break
-                ack = self.receiver.on_stream_delta(self._position, data, now)
-                self._position += 1
-                if ack is not None and self.scheme == "eloquent":
-                    self.client_h3.send_datagram(self.stream_id, ack)
-            self._pending = self._pending[buf.tell() :]
+    def _client_event(self, event: H3Event) -> None:
+        if isinstance(event, HeadersReceived):
+            if (HEADER, b"1") in event.headers:
+                self.client_lane.activate()
+        elif isinstance(event, DataReceived):
+            self.client_lane.stream(event.data)
+            if event.stream_ended:
+                self.client_lane.end()
         elif isinstance(event, DatagramReceived) and self.scheme != "stream":
-            ack = self.receiver.on_datagram(event.data, now)
-            if self.scheme == "eloquent":
-                self.client_h3.send_datagram(self.stream_id, ack)
+            self.client_lane.datagram(event.data)
 
     def metrics(self) -> dict[str, float]:
-        rendered = self.receiver.render_times()
+        rendered = self.receiver.render_times()[: self.count]
         missing = len(self.generated) - len(rendered)
         # A session that died waits from its last render to its end: that wait is a stall too.
         shown = rendered + [self.end] * (missing > 0)
         end = max(shown[-1], self.generated[-1])
         wire = self.path.bytes_sent[1] - self.wire_before
+        entries = self.sender.stats.entries if self.sender is not None else []
         return {
             "stall_ratio": stall_ratio(shown, end, session_start=self.generated[0]),
             "late_share": late_share(self.generated, [*rendered, *[None] * missing]),
             "died": float(self.died),
-            "wire_redundancy": (wire - self.token_bytes) / self.token_bytes,
-            "payload_redundancy": (self.stream_bytes + self.datagram_bytes - self.token_bytes)
-            / self.token_bytes,
+            "payload_redundancy": self.datagram_bytes / self.text_bytes,
+            "wire_redundancy": (wire - self.text_bytes) / self.text_bytes,
+            "tokens_per_datagram": float(np.median(entries)) if entries else 0.0,
             "mean_delay_s": float(np.mean(np.subtract(rendered, self.generated[: len(rendered)]))),
             "losses": sum(self.path.losses),
+            "mismatches": self.receiver.stats.mismatches,
         }
+
+
+def run_session(job: tuple[str, str, float, int, str, float, int, tuple[Path, Path]]) -> dict:
+    pattern, ack_loss, rtt, seed, scheme, rate_mbps, count, certificate = job
+    bursts = LOSS_PATTERNS[pattern]
+    link = LinkConfig(rate_bps=rate_mbps * 1e6, delay_s=rtt / 2, bursts=bursts, seed=seed)
+    if ack_loss == "none":  # the uplink loses nothing; the downlink keeps its chain
+        link = link.replace(bursts=None, downlink=link)
+    session = Session(scheme, link, certificate, count)
+    session.run()
+    key = {"pattern": pattern, "ack_loss": ack_loss, "rtt_ms": int(rtt * 1000)}
+    return key | {"scheme": scheme, "seed": seed} | session.metrics()
 
 
 def main() -> int:
@@ -257,38 +331,34 @@ def main() -> int:
     parser.add_argument("--patterns", nargs="+", default=list(LOSS_PATTERNS))
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     parser.add_argument("--rate-mbps", type=float, default=10.0)
+    parser.add_argument(
+        "--ack-loss",
+        nargs="+",
+        choices=("both", "none"),
+        default=["both", "none"],
+        help="both: the uplink (ACKs) loses packets as the downlink does; none: downlink only",
+    )
+    parser.add_argument("--jobs", type=int, default=max(1, multiprocessing.cpu_count()))
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
     count = int(args.seconds / TOKEN_GAP_S)
     cases = [
-        (p, r) for p in args.patterns for r in args.rtts if p == "default" or r == max(args.rtts)
+        (p, a, r)
+        for a in args.ack_loss
+        for p in args.patterns
+        for r in args.rtts
+        if p == "default" or r == max(args.rtts)
     ]
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         certificate = ensure_certificate(Path(tmp), deterministic=True)
-        total = len(cases) * len(args.schemes) * args.sessions
-        with tqdm(total=total, unit="session") as bar:
-            for pattern, rtt in cases:
-                for scheme in args.schemes:
-                    for seed in range(args.sessions):
-                        link = LinkConfig(
-                            rate_bps=args.rate_mbps * 1e6,
-                            delay_s=rtt / 2,
-                            bursts=LOSS_PATTERNS[pattern],
-                            seed=seed,
-                        )
-                        session = Session(scheme, link, certificate, count)
-                        session.run()
-                        rows.append(
-                            {
-                                "pattern": pattern,
-                                "rtt_ms": int(rtt * 1000),
-                                "scheme": scheme,
-                                "seed": seed,
-                            }
-                            | session.metrics()
-                        )
-                        bar.update(1)
+        jobs = [
+            (p, a, r, seed, scheme, args.rate_mbps, count, certificate)
+            for p, a, r in cases
+            for scheme in args.schemes
+            for seed in range(args.sessions)
+        ]
+        with multiprocessing.Pool(args.jobs) as pool:
+            rows = list(tqdm(pool.imap(run_session, jobs), total=len(jobs), unit="session"))
     write_csv(args.results / "eloquent_sim.csv", rows)
     summary = report(rows, cases, args.schemes)
     plot(summary, cases, args.schemes, args.results / "eloquent_sim.png")
@@ -296,39 +366,45 @@ def main() -> int:
     return 0
 
 
-def report(rows: list[dict], cases: list[tuple[str, float]], schemes: list[str]) -> dict:
-    keys = ("stall_ratio", "late_share", "payload_redundancy", "wire_redundancy", "died")
+Case = tuple[str, str, float]
+"""(loss pattern, ACK loss, RTT in seconds)."""
+
+
+def report(rows: list[dict], cases: list[Case], schemes: list[str]) -> dict:
+    keys = ("stall_ratio", "late_share", "payload_redundancy", "wire_redundancy",
+            "tokens_per_datagram", "died")  # fmt: skip
     summary = {}
-    for pattern, rtt in cases:
+    for pattern, ack_loss, rtt in cases:
+        where = "both ways" if ack_loss == "both" else "on the downlink only"
         print(
-            f"\n{pattern} loss ({LOSS_PATTERNS[pattern].mean_loss:.0%} mean), RTT "
+            f"\n{pattern} loss ({LOSS_PATTERNS[pattern].mean_loss:.0%} mean) {where}, RTT "
             f"{rtt * 1000:.0f} ms: means over sessions"
         )
         print(
             f"{'scheme':>10} {'stall':>8} {'late':>8} {'redund. payload':>16} {'wire':>8} "
-            f"{'died':>6}"
+            f"{'tokens/dgram':>13} {'died':>6}"
         )
         for scheme in schemes:
-            group = [r for r in rows if r["pattern"] == pattern and r["rtt_ms"] == int(rtt * 1000)
-                     and r["scheme"] == scheme]  # fmt: skip
+            group = [r for r in rows if (r["pattern"], r["ack_loss"], r["rtt_ms"], r["scheme"])
+                     == (pattern, ack_loss, int(rtt * 1000), scheme)]  # fmt: skip
             means = {k: float(np.mean([r[k] for r in group])) for k in keys}
-            summary[pattern, rtt, scheme] = means
+            summary[pattern, ack_loss, rtt, scheme] = means
             print(
                 f"{scheme:>10} {means['stall_ratio']:>8.2%} {means['late_share']:>8.2%} "
                 f"{means['payload_redundancy']:>16.2f} {means['wire_redundancy']:>8.2f} "
-                f"{means['died']:>6.0%}"
+                f"{means['tokens_per_datagram']:>13.1f} {means['died']:>6.0%}"
             )
         if {"stream", "eloquent"} <= set(schemes):
-            el = summary[pattern, rtt, "eloquent"]
-            base = summary[pattern, rtt, "stream"]
+            el = summary[pattern, ack_loss, rtt, "eloquent"]
+            base = summary[pattern, ack_loss, rtt, "stream"]
             dups = [s for s in schemes if s.startswith("dup-")]
             line = (
                 f"  eloquent vs stream: stall {change(el, base, 'stall_ratio')}, "
                 f"late tokens {change(el, base, 'late_share')}"
             )
             if dups:
-                best = min(dups, key=lambda s: summary[pattern, rtt, s]["stall_ratio"])
-                other = summary[pattern, rtt, best]
+                best = min(dups, key=lambda s: summary[pattern, ack_loss, rtt, s]["stall_ratio"])
+                other = summary[pattern, ack_loss, rtt, best]
                 line += (
                     f"; vs best duplication ({best}): stall "
                     f"{change(el, other, 'stall_ratio')}, payload redundancy "
@@ -344,21 +420,26 @@ def change(new: dict, old: dict, key: str) -> str:
     return f"{(new[key] - old[key]) / old[key]:+.1%}"
 
 
-def plot(summary: dict, cases: list[tuple[str, float]], schemes: list[str], path: Path) -> None:
+def plot(summary: dict, cases: list[Case], schemes: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 4), squeeze=False)
-    for ax, (pattern, rtt) in zip(axes[0], cases, strict=True):
+    rows = sorted({a for _, a, _ in cases})
+    columns = [(p, r) for p, r in dict.fromkeys((p, r) for p, _, r in cases)]
+    fig, axes = plt.subplots(
+        len(rows), len(columns), figsize=(4 * len(columns), 4 * len(rows)), squeeze=False
+    )
+    for pattern, ack_loss, rtt in cases:
+        ax = axes[rows.index(ack_loss)][columns.index((pattern, rtt))]
         for scheme in schemes:
-            m = summary[pattern, rtt, scheme]
+            m = summary[pattern, ack_loss, rtt, scheme]
             ax.scatter(m["payload_redundancy"], m["stall_ratio"] * 100, label=scheme, s=40)
         ax.set(
-            xlabel="redundancy (payload)",
+            xlabel="redundancy (datagram payload / text)",
             ylabel="stall ratio (%)",
-            title=f"{pattern}, RTT {rtt * 1000:.0f} ms",
+            title=f"{pattern}, RTT {rtt * 1000:.0f} ms, ACK loss: {ack_loss}",
         )
         ax.legend(fontsize=7)
     fig.tight_layout()

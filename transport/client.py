@@ -14,7 +14,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +33,9 @@ from transport.connection import (
     adopt,
     widen_receive_buffer,
 )
-from transport.eloquent import EloquentFormatError, EloquentReceiver, SseEvents
+from transport.eloquent import HEADER as ELOQUENT_HEADER
+from transport.eloquent import EloquentReceiver, ReceiverLane
+from transport.eloquent.driver import datagram_sender
 from transport.schedulers import StreamSpec
 
 
@@ -52,7 +54,7 @@ class Response:
     headers: dict[str, str]
     _client: Http3Client
     _chunks: asyncio.Queue[bytes | StreamError | None]
-    lane: EloquentLane | None = None
+    lane: ReceiverLane | None = None
     """Set when the response carries Eloquent datagrams: its receiver has the render times."""
     sent_at: float = 0.0
     """time.perf_counter() when the request could go out: at once, or when the server granted
@@ -86,6 +88,10 @@ class Response:
         if buffer:
             yield buffer.decode()
 
+    def send_datagram(self, payload: bytes) -> None:
+        """An HTTP/3 datagram on this request's stream (for a `request(datagrams=...)`)."""
+        self._client._send_datagram(self.stream_id, payload)
+
     def close(self) -> None:
         """Abandon the response: the server sees the stream reset (a client disconnect)."""
         if not self._done:
@@ -97,60 +103,9 @@ class Response:
 class _Pending:
     headers: asyncio.Future[list[tuple[bytes, bytes]]]
     chunks: asyncio.Queue[bytes | StreamError | None] = field(default_factory=asyncio.Queue)
-    lane: EloquentLane | None = None
-
-
-class EloquentLane:
-    """The receiving end of Eloquent for one response (`transport.eloquent`, Algorithm 2).
-
-    Events of the event stream arrive by the stream and by datagrams; the response's body is
-    the longest contiguous run of events from whichever came first, so a reader sees the same
-    bytes as without Eloquent, only sooner. Every datagram is acknowledged by a datagram."""
-
-    def __init__(self, protocol: _ClientProtocol, stream_id: int, chunks: asyncio.Queue) -> None:
-        self.protocol = protocol
-        self.stream_id = stream_id
-        self.receiver = EloquentReceiver()
-        self.active = False
-        """The response said it carries Eloquent; until then, rendered events wait."""
-        self._events = SseEvents()
-        self._chunks = chunks
-        self.streamed = 0
-        """Events the stream has delivered so far."""
-        self._emitted = 0
-        self._loop = asyncio.get_running_loop()
-
-    def stream(self, data: bytes) -> None:
-        now = self._loop.time()
-        for event in self._events.feed(data):
-            ack = self.receiver.on_stream_delta(self.streamed, event, now)
-            self.streamed += 1
-            if ack is not None:
-                self._ack(ack)
-        self._emit()
-
-    def datagram(self, payload: bytes) -> None:
-        try:
-            ack = self.receiver.on_datagram(payload, self._loop.time())
-        except EloquentFormatError:
-            return  # the stream will deliver it
-        self._ack(ack)
-        self._emit()
-
-    def end(self) -> None:
-        if rest := self._events.rest():  # a body that did not end on an event boundary
-            self._chunks.put_nowait(rest)
-
-    def _ack(self, payload: bytes) -> None:
-        self.protocol.h3.send_datagram(self.stream_id, payload)
-        self.protocol.transmit_soon()
-
-    def _emit(self) -> None:
-        if not self.active:
-            return
-        while self._emitted < self.receiver.next_position:
-            self._chunks.put_nowait(self.receiver.text_of(self._emitted).encode())
-            self._emitted += 1
+    lane: ReceiverLane | None = None
+    datagrams: Callable[[bytes], None] | None = None
+    """Takes the stream's datagrams as they come, for a caller that forwards them itself."""
 
 
 class _ClientProtocol(CoalescingProtocol):
@@ -174,6 +129,12 @@ class _ClientProtocol(CoalescingProtocol):
         quic = self._quic
         # aioquic keeps these as plain attributes and has no public accessor.
         return quic._remote_max_streams_bidi - quic._local_next_stream_id_bidi // 4
+
+    def receiver_lane(self, stream_id: int, chunks: asyncio.Queue) -> ReceiverLane:
+        """An Eloquent receiver for a response: it puts the body's bytes in `chunks`."""
+
+        send = datagram_sender(self._quic, self.h3, stream_id, self.transmit_soon)
+        return ReceiverLane(EloquentReceiver(), send, self._loop, chunks.put_nowait)
 
     def until_sendable(self, stream_id: int) -> asyncio.Future[float]:
         """Resolves with time.perf_counter() once the server's stream limit covers `stream_id`."""
@@ -237,9 +198,8 @@ class _ClientProtocol(CoalescingProtocol):
             return
         lane = pending.lane
         if isinstance(event, HeadersReceived):
-            if lane is not None and (b"x-eloquent", b"1") in event.headers:
-                lane.active = True
-                lane.stream(b"")  # events that datagrams delivered before the headers
+            if lane is not None and (ELOQUENT_HEADER, b"1") in event.headers:
+                lane.activate()  # events that datagrams delivered before the headers go now
             else:
                 pending.lane = lane = None
             if not pending.headers.done():
@@ -249,8 +209,11 @@ class _ClientProtocol(CoalescingProtocol):
                 lane.stream(event.data)
             else:
                 pending.chunks.put_nowait(event.data)
-        elif isinstance(event, DatagramReceived) and lane is not None:
-            lane.datagram(event.data)
+        elif isinstance(event, DatagramReceived):
+            if pending.datagrams is not None:
+                pending.datagrams(event.data)
+            elif lane is not None:
+                lane.datagram(event.data)
         if getattr(event, "stream_ended", False):
             if lane is not None:
                 lane.end()
@@ -360,10 +323,13 @@ class Http3Client:
         body: bytes = b"",
         spec: StreamSpec | None = None,
         eloquent: bool = False,
+        datagrams: Callable[[bytes], None] | None = None,
     ) -> Response:
         """Send a request on a new stream and wait for the response headers.
         `spec` tags the stream for this connection's scheduler. `eloquent` asks for the body's
         events in datagrams too (`x-eloquent: 1`); `Response.lane` then has the receiver.
+        `datagrams` takes the stream's datagrams raw instead, for a caller that forwards them
+        (`Response.send_datagram` sends the other way); the request's headers say the rest.
         Past the server's stream limit the request waits for credit (aioquic holds its bytes);
         `Response.sent_at` says when it went out."""
         protocol = self.protocol
@@ -372,9 +338,11 @@ class Http3Client:
         if spec is not None:
             quic.set_stream_spec(stream_id, spec)
         pending = _Pending(asyncio.get_running_loop().create_future())
-        if eloquent:
-            pending.lane = EloquentLane(protocol, stream_id, pending.chunks)
-            headers = {**(headers or {}), "x-eloquent": "1"}
+        if datagrams is not None:
+            pending.datagrams = datagrams
+        elif eloquent:
+            pending.lane = protocol.receiver_lane(stream_id, pending.chunks)
+            headers = {**(headers or {}), ELOQUENT_HEADER.decode(): "1"}
         protocol.pending[stream_id] = pending
         fields = [
             (b":method", method.encode()),
@@ -410,6 +378,12 @@ class Http3Client:
     def stream_credit(self) -> int:
         """Requests that can go out now without waiting for the server's stream credit."""
         return self.protocol.stream_credit
+
+    def _send_datagram(self, stream_id: int, payload: bytes) -> None:
+        protocol = self._protocol
+        if protocol is not None and protocol.closed is None:
+            protocol.h3.send_datagram(stream_id, payload)
+            protocol.transmit_soon()
 
     def _cancel(self, stream_id: int) -> None:
         protocol = self._protocol

@@ -29,6 +29,8 @@ from contextlib import suppress
 from typing import Any
 
 from transport.client import Http3Client, Response, StreamError
+from transport.eloquent import HEADER as ELOQUENT_HEADER
+from transport.http3 import DATAGRAMS, DatagramTap
 from transport.qos import EDGE_HEADERS, tag_of
 from transport.schedulers import StreamSpec
 
@@ -89,11 +91,12 @@ class BackendPool:
         headers: Mapping[str, str],
         body: bytes = b"",
         spec: StreamSpec | None = None,
+        datagrams: Callable[[bytes], None] | None = None,
     ) -> Response:
         # Nothing awaits between the pick and `request` taking its stream id, so no other
         # request can take the credit the pick counted on.
         client = await self._pick()
-        return await client.request(method, path, headers, body, spec)
+        return await client.request(method, path, headers, body, spec, datagrams=datagrams)
 
     async def _pick(self) -> Http3Client:
         async with self._lock:
@@ -184,6 +187,11 @@ class EdgeProxy:
         }
         if scope.get("client"):
             headers["x-forwarded-for"] = str(scope["client"][0])
+        # Eloquent end to end: the back-end's datagrams go on to the client as they are, and
+        # the client's ACKs back, so a client of the edge is protected as one of the back-end.
+        tap: DatagramTap | None = scope["extensions"].get(DATAGRAMS)
+        if tap is None:
+            headers.pop(ELOQUENT_HEADER.decode(), None)  # no datagrams to the client: none here
         path = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             path += b"?" + scope["query_string"]
@@ -191,12 +199,19 @@ class EdgeProxy:
             headers.update(tag.forwarded(time.monotonic(), self.edge_key))
         try:
             response = await self.pool.request(
-                scope["method"], path.decode("latin-1"), headers, body, tag.spec
+                scope["method"],
+                path.decode("latin-1"),
+                headers,
+                body,
+                tag.spec,
+                datagrams=tap.send if tap is not None else None,
             )
         except (OSError, TimeoutError, StreamError, ConnectionError) as exc:
             logger.warning("back-end %s:%d unreachable: %s", self.pool.host, self.pool.port, exc)
             await _bad_gateway(send, f"The back-end is unreachable: {exc or type(exc).__name__}")
             return
+        if tap is not None:
+            tap.receive = response.send_datagram
         await self._relay(response, receive, send)
 
     async def _relay(self, response: Response, receive: Receive, send: Send) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +55,10 @@ from transport.connection import (
     widen_receive_buffer,
 )
 from transport.drain import Drain
-from transport.eloquent import EloquentFormatError, EloquentSender, SseEvents
+from transport.eloquent import DATAGRAM_ALLOWANCE, EloquentSender, SenderLane
+from transport.eloquent import HEADER as ELOQUENT_HEADER
+from transport.eloquent.driver import datagram_sender
+from transport.eloquent.sse import SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import TAG, Tagger
 
@@ -63,11 +67,14 @@ logger = logging.getLogger(__name__)
 ASGIApp = Callable[..., Any]
 
 SERVER_HEADER = b"qos-llm-serving"
-ELOQUENT_HEADER = b"x-eloquent"
-"""A request asks for Eloquent datagrams with `x-eloquent: 1`; a response that has them (an
-event stream, over HTTP/3 with datagrams on) says so with the same header."""
-ELOQUENT_REPEATS = 9
-"""Earlier unacknowledged events per datagram beside the new one: seed 002's 10 a packet."""
+EVENT_TRACE = os.environ.get("HTTP3_EVENT_TRACE")
+"""A file to append `stream_id position time` to for every event of every event-stream response,
+when it is written (the event loop's clock, time.monotonic(), which every network namespace of
+the machine shares): the generation times `experiments.eloquent_live` scores late tokens by."""
+
+DATAGRAMS = "eloquent.datagrams"
+"""The ASGI extension that hands an app the HTTP/3 datagrams of a request that asked for
+Eloquent (`DatagramTap`), for an app that forwards them itself: the edge."""
 
 
 class ResponseNotDelivered(ConnectionError):
@@ -203,8 +210,9 @@ class _Http3Protocol(CoalescingProtocol):
         self._settings = server.settings
         self._h3: H3Connection | None = None
         self._requests: dict[int, _RequestStream] = {}
-        self.lanes: dict[int, _EloquentLane] = {}
-        """Eloquent senders by stream; they outlive their request until everything is acked."""
+        self.lanes: dict[int, SenderLane | DatagramTap] = {}
+        """Who takes each stream's datagrams: Eloquent senders, which outlive their request until
+        everything is acknowledged, and taps that apps forward through."""
         self.blocked_writers: set[_RequestStream] = set()
         self._next_request_id = 0
         """The lowest client bidirectional stream id not yet seen: what GOAWAY would carry."""
@@ -266,7 +274,7 @@ class _Http3Protocol(CoalescingProtocol):
         elif isinstance(event, DatagramReceived):
             lane = self.lanes.get(event.stream_id)
             if lane is not None:
-                lane.ack(event.data)
+                lane.datagram(event.data)
 
     def _start_request(self, event: HeadersReceived) -> None:
         pseudo: dict[bytes, bytes] = {}
@@ -306,7 +314,9 @@ class _Http3Protocol(CoalescingProtocol):
             return
         self._next_request_id = max(self._next_request_id, event.stream_id + 4)
         request = _RequestStream(self, event.stream_id, scope)
-        request.wants_eloquent = dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true")
+        if dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true"):
+            request.tap = extensions[DATAGRAMS] = DatagramTap(self, event.stream_id)
+            self.lanes[event.stream_id] = request.tap
         self._requests[event.stream_id] = request
         if event.stream_ended:
             request.body_received(b"", True)
@@ -348,6 +358,27 @@ class _Http3Protocol(CoalescingProtocol):
 
     def request_finished(self, stream_id: int) -> None:
         self._requests.pop(stream_id, None)
+        if isinstance(self.lanes.get(stream_id), DatagramTap):
+            self.lanes.pop(stream_id)
+
+    def sender_lane(self, stream_id: int) -> SenderLane:
+        """An Eloquent sender beside a response stream, on the event loop's clock."""
+
+        send = datagram_sender(self.quic, self.h3, stream_id, self.transmit_soon)
+
+        def rtt() -> float | None:
+            loss = self._quic._loss  # aioquic keeps its RTT estimate here, with no accessor
+            return loss._rtt_smoothed if loss._rtt_initialized else None
+
+        def done() -> None:
+            if self.lanes.get(stream_id) is lane:
+                del self.lanes[stream_id]
+
+        self.quic.datagram_allowance = DATAGRAM_ALLOWANCE
+        loop = asyncio.get_running_loop()
+        lane = SenderLane(EloquentSender(), send, loop, rtt, done)
+        self.lanes[stream_id] = lane
+        return lane
 
     @property
     def h3(self) -> H3Connection:
@@ -369,8 +400,10 @@ class _RequestStream:
     _finished: bool = False
     _response: tuple[int, list[tuple[bytes, bytes]]] | None = None
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
-    wants_eloquent: bool = False
-    _lane: _EloquentLane | None = None
+    tap: DatagramTap | None = None
+    """Set when the request asked for Eloquent."""
+    _lane: SenderLane | None = None
+    _trace: _EventTrace | None = None
 
     async def run(self, app: ASGIApp) -> None:
         try:
@@ -439,8 +472,11 @@ class _RequestStream:
         if kind == "http.response.start":
             status, headers = int(message["status"]), list(message.get("headers", []))
             content_type = dict((k.lower(), v) for k, v in headers).get(b"content-type", b"")
-            if self.wants_eloquent and content_type.startswith(b"text/event-stream"):
-                self._lane = _EloquentLane(self.protocol, self.stream_id)
+            events = content_type.startswith(b"text/event-stream")
+            if events and EVENT_TRACE:
+                self._trace = _EventTrace(EVENT_TRACE, self.stream_id)
+            if self.tap is not None and not self.tap.claimed and events:
+                self._lane = self.protocol.sender_lane(self.stream_id)
                 headers.append((ELOQUENT_HEADER, b"1"))
             self._response = (status, headers)
         elif kind == "http.response.body":
@@ -450,6 +486,8 @@ class _RequestStream:
             more = bool(message.get("more_body", False))
             body = message.get("body", b"")
             self._write(body, end_stream=not more)
+            if self._trace is not None:
+                self._trace.write(body)
             if self._lane is not None and not self._disconnected:
                 self._lane.body(body, ended=not more)
             if more:
@@ -511,64 +549,51 @@ class _RequestStream:
         return stream.sender._buffer_stop - stream.sender._buffer_start
 
 
-class _EloquentLane:
-    """Eloquent datagrams beside one response stream (`transport.eloquent`), on the event loop.
+class _EventTrace:
+    """Appends when each event of one response was written (`EVENT_TRACE`)."""
 
-    Each whole event of the event stream is one position: it goes out in a datagram with the
-    earlier unacknowledged events, and again on the sender's timer until the client acknowledges
-    it. The stream itself is untouched, so the datagrams can only make the text arrive earlier."""
+    def __init__(self, path: str, stream_id: int) -> None:
+        self._path = path
+        self._stream_id = stream_id
+        self._events = SseEvents()
+        self._position = 0
+
+    def write(self, body: bytes) -> None:
+        now = time.monotonic()
+        lines = []
+        for _ in self._events.feed(body):
+            lines.append(f"{self._stream_id} {self._position} {now:.6f}\n")
+            self._position += 1
+        if lines:
+            with open(self._path, "a") as trace:
+                trace.writelines(lines)
+
+
+class DatagramTap:
+    """One request stream's HTTP/3 datagrams, for an app that forwards Eloquent itself.
+
+    An app claims them by setting `receive` before it starts its response: the server then runs
+    no Eloquent sender of its own on the stream, hands every datagram from the client to
+    `receive`, and `send` puts one on the stream toward the client, until the request ends."""
 
     def __init__(self, protocol: _Http3Protocol, stream_id: int) -> None:
-        self.protocol = protocol
+        self._protocol = protocol
         self.stream_id = stream_id
-        self.sender = EloquentSender(max_repeats=ELOQUENT_REPEATS)
-        self.events = SseEvents()
-        self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        protocol.lanes[stream_id] = self
+        self.receive: Callable[[bytes], None] | None = None
 
-    def body(self, data: bytes, ended: bool) -> None:
-        if self.sender.done:  # closed under us (a reset); the stream alone carries the rest
-            return
-        now = self._loop.time()
-        for event in self.events.feed(data):
-            self._send(self.sender.on_tokens(event, now))
-        if ended:
-            self.sender.finish()
-        self._arm()
+    @property
+    def claimed(self) -> bool:
+        return self.receive is not None
 
-    def ack(self, payload: bytes) -> None:
-        try:
-            self.sender.on_ack(payload, self._loop.time())
-        except EloquentFormatError as exc:  # a confused client; the stream still delivers
-            logger.info("bad Eloquent ACK on stream %d: %s", self.stream_id, exc)
-            return
-        self._arm()
+    def send(self, payload: bytes) -> None:
+        if self._protocol.lanes.get(self.stream_id) is not self:
+            return  # the stream is gone
+        self._protocol.h3.send_datagram(self.stream_id, payload)
+        self._protocol.transmit_soon()
+
+    def datagram(self, payload: bytes) -> None:
+        if self.receive is not None:
+            self.receive(payload)
 
     def close(self) -> None:
-        self.sender.close()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.protocol.lanes.pop(self.stream_id, None)
-
-    def _send(self, payloads: list[bytes]) -> None:
-        for payload in payloads:
-            self.protocol.h3.send_datagram(self.stream_id, payload)
-        if payloads:
-            self.protocol.transmit_soon()
-
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        due = self.sender.timer()
-        if self.sender.done or (due is None and self.sender.finished):
-            self.close()
-        elif due is not None:
-            self._timer = self._loop.call_at(due, self._fire)
-
-    def _fire(self) -> None:
-        self._timer = None
-        self._send(self.sender.on_timer(self._loop.time()))
-        self._arm()
+        self._protocol.lanes.pop(self.stream_id, None)

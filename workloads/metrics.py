@@ -206,3 +206,68 @@ def format_summary(summary: dict, title: str = "Load run") -> str:
     )
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+# Token-streaming smoothness (seed 002 §4.1, §4.3), for Eloquent
+
+
+_CLOCK_NOISE_S = 1e-6
+"""Gaps within this of the threshold are the threshold: in virtual time two renders one lost
+token apart are 0.20000000000000018 s apart, which is 200 ms, not a stall."""
+
+
+def stall_ratio(
+    render_times: Sequence[float],
+    session_end: float,
+    threshold: float = 0.2,
+    session_start: float | None = None,
+) -> float:
+    """Share of the session spent waiting in stalls: gaps between consecutive renders > threshold.
+
+    Seed 002 §4.1 defines the stall ratio as "the amount of time that client side is waiting for
+    tokens to render when stall is longer than 200ms" (footnote 1: "proportion of token wait
+    time when inter-token gap exceeds 200ms"). A gap longer than `threshold` therefore counts
+    whole, not only its part beyond the threshold, and shorter gaps count nothing; a gap of
+    exactly `threshold` is not a stall. Only gaps between two renders count: the wait for the
+    first token (prefill, not transport) and the time after the last are not inter-token gaps.
+    The session runs from `session_start` (default: the first render) to `session_end`.
+    `render_times` are per position, non-decreasing; several positions rendered at one instant
+    make gaps of zero.
+    """
+    times = list(render_times)
+    if any(later < earlier for earlier, later in zip(times, times[1:], strict=False)):
+        raise ValueError("render_times must be non-decreasing")
+    if not times:
+        return 0.0
+    start = times[0] if session_start is None else session_start
+    if start > times[0] or session_end < times[-1]:
+        raise ValueError("the session must span every render time")
+    duration = session_end - start
+    if duration <= 0:
+        return 0.0
+    stalled = sum(
+        later - earlier
+        for earlier, later in zip(times, times[1:], strict=False)
+        if later - earlier > threshold + _CLOCK_NOISE_S
+    )
+    return stalled / duration
+
+
+def late_share(
+    generated_times: Sequence[float],
+    rendered_times: Sequence[float | None],
+    threshold: float = 0.4,
+) -> float:
+    """Share of tokens rendered more than `threshold` after generation (seed 002 §4.3, "late
+    tokens (delay since generation over 400ms)"). A token never rendered (None) is late; a delay
+    of exactly `threshold` is not."""
+    if len(generated_times) != len(rendered_times):
+        raise ValueError("one render time per generated token")
+    if not generated_times:
+        return 0.0
+    late = sum(
+        1
+        for generated, rendered in zip(generated_times, rendered_times, strict=True)
+        if rendered is None or rendered - generated > threshold
+    )
+    return late / len(generated_times)
