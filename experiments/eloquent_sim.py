@@ -83,7 +83,7 @@ LOSS_PATTERNS = {
     "frequent": GilbertElliott(good_slots=2, bad_slots=2),
     "long": GilbertElliott(good_slots=10, bad_slots=5),
 }
-BASE = {"window": False, "tail_resend": False}
+BASE = {"window": False, "tail_resend": False, "min_gap": 0.0}
 SENDERS: dict[str, dict[str, Any]] = {
     "el-events": BASE | {"max_repeats": 9, "envelopes": 0},
     "el-paper": BASE | {"max_repeats": 9},

@@ -225,6 +225,27 @@ def test_tail_goes_again_while_acks_are_missing_even_as_new_tokens_flow():
         assert (sender.stats.timer_datagrams > 0) is tail
 
 
+def test_events_faster_than_min_gap_or_a_sixth_of_the_rtt_go_together():
+    events = server_events([f" w{i}" for i in range(40)])
+    for rtt, gap in ((None, 0.05), (0.6, 0.1)):
+        sender = EloquentSender(min_gap=0.05, tail_resend=False)
+        sender.rtt = rtt
+        sent: list[tuple[float, bytes]] = []
+        for i, event in enumerate(events):
+            now = i * 0.01  # a hundred tokens a second
+            while (due := sender.timer()) is not None and due <= now:
+                sent += [(due, p) for p in sender.on_timer(due)]
+            sent += [(now, p) for p in sender.on_event(event, now)]
+        due = sender.timer()
+        assert due is not None
+        sent += [(due, p) for p in sender.on_timer(due)]  # the last ones, held until now
+        times = [t for t, _ in sent]
+        assert all(b - a >= gap - 1e-9 for a, b in zip(times, times[1:], strict=False))
+        assert len(sent) <= 0.4 / gap + 2
+        # Nothing is lost by waiting: every event went out in some datagram.
+        assert {e.position for _, p in sent for e in entries_of(p)} == set(range(len(events)))
+
+
 def test_idle_resend_finish_give_up_and_close():
     event = server_events([" a"])[0]
     sender = EloquentSender(resend_after=0.2, give_up_after=1.0, tail_resend=False)
@@ -345,7 +366,7 @@ def test_fuzzed_datagrams_never_raise_or_corrupt_the_stream():
 
 def test_an_ack_lists_at_most_the_lowest_held_positions():
     receiver = EloquentReceiver()
-    sender = EloquentSender(max_repeats=0)
+    sender = EloquentSender(max_repeats=0, min_gap=0.0)
     events = server_events([f" {i}" for i in range(200)])
     payloads = [sender.on_event(e, 0.0)[0] for e in events]
     acks = [a for p in payloads[1:] for a in receiver.on_datagram(p, 0.0)]

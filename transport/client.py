@@ -108,6 +108,10 @@ class _Pending:
     """Takes the stream's datagrams as they come, for a caller that forwards them itself."""
 
 
+_ENDED_LANES = 32
+"""Ended responses whose datagrams the client still acknowledges (a few seconds' worth)."""
+
+
 class _ClientProtocol(CoalescingProtocol):
     def __init__(self, quic: Any, scheduler: str = "rr", **kwargs: Any) -> None:
         super().__init__(adopt(quic, scheduler), **kwargs)
@@ -118,6 +122,8 @@ class _ClientProtocol(CoalescingProtocol):
         """Streams opened past the server's stream limit, in id order, and who waits on them."""
         self._abandoned: set[int] = set()
         """Streams cancelled while past the limit: reset once the limit covers them."""
+        self._ended: dict[int, ReceiverLane] = {}
+        """Eloquent lanes of the last responses that ended, oldest first: still acknowledging."""
 
     @property
     def quic(self) -> ScheduledQuicConnection:
@@ -195,6 +201,10 @@ class _ClientProtocol(CoalescingProtocol):
     def _h3_event_received(self, event: H3Event) -> None:
         pending = self.pending.get(event.stream_id) if hasattr(event, "stream_id") else None
         if pending is None:
+            if isinstance(event, DatagramReceived) and event.stream_id in self._ended:
+                # The server had not heard that we hold everything: tell it again, or it
+                # re-sends until it gives up (or until it sees the stream acknowledged).
+                self._ended[event.stream_id].datagram(event.data)
             return
         lane = pending.lane
         if isinstance(event, HeadersReceived):
@@ -217,6 +227,9 @@ class _ClientProtocol(CoalescingProtocol):
         if getattr(event, "stream_ended", False):
             if lane is not None:
                 lane.end()
+                self._ended[event.stream_id] = lane
+                while len(self._ended) > _ENDED_LANES:
+                    del self._ended[next(iter(self._ended))]
             pending.chunks.put_nowait(None)
             self.pending.pop(event.stream_id, None)
 

@@ -502,6 +502,10 @@ class _RequestStream:
                 await self._acks()
             if self._disconnected:
                 raise ResponseNotDelivered(f"stream {self.stream_id} was reset before its end")
+            if self._lane is not None:
+                # The client has every byte of the stream: datagrams can bring it nothing more.
+                # Without this, a lost last ACK kept the sender re-sending until it gave up.
+                self._lane.close()
 
     async def _acks(self) -> None:
         """Waits until ACKs drain this stream's buffer, or the client leaves."""

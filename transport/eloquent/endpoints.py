@@ -9,7 +9,7 @@ event loop and in virtual time. Both own their timers the same way: `timer()` sa
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from aioquic.buffer import size_uint_var
@@ -91,6 +91,12 @@ class EloquentSender:
       `tail_interval`, even while new events flow. In a lossy burst each packet is one more
       draw against the loss; a new event comes only once per token. Without it, as Algorithm
       1, only `resend_after` with no new event at all re-sends them.
+    - Coalescing (`min_gap`): an event that comes sooner than `min_gap` (or a sixth of the RTT, if
+      longer) after the last datagram with a new event waits for the timer, and goes with the
+      ones that come meanwhile.
+      An engine that streams a hundred tokens a second would otherwise send a hundred
+      datagrams, each repeating everything unacknowledged, where the paper's ten a second
+      was the premise.
     - `envelopes`: how many envelopes a response may open (MAX_ENVELOPES); 0 sends whole
       events, as issue 6 did.
     - Oversize entries are cut into fragments of the same position, each in its own datagram;
@@ -109,6 +115,7 @@ class EloquentSender:
         window: bool = True,
         tail_resend: bool = True,
         tail_interval: float = 0.05,
+        min_gap: float = 0.05,
         envelopes: int = MAX_ENVELOPES,
     ) -> None:
         if max_payload < _MIN_PAYLOAD:
@@ -124,6 +131,7 @@ class EloquentSender:
         self.window = window
         self.tail_resend = tail_resend
         self.tail_interval = tail_interval
+        self.min_gap = min_gap
         self.max_envelopes = envelopes
         self.rtt: float | None = None
         """The path's smoothed RTT, kept current by whoever drives this; None: unknown."""
@@ -137,6 +145,8 @@ class EloquentSender:
         self._first_send: float | None = None
         self._last_send: float | None = None
         self._last_tail = float("-inf")
+        self._last_send_new = float("-inf")  # the last datagram with a new event
+        self._waiting: _Pending | None = None  # the newest event, held for `min_gap`
         self._last_heard: float | None = None  # last new event or ACK: the path is alive
         self._acks: deque[float] = deque()  # arrival times over the last _L_HISTORY_S
         self._silence = 0.0  # the longest gap between those
@@ -184,15 +194,21 @@ class EloquentSender:
             _Pending(piece, envelope, event, now)
             for piece in self._split(TokenEntry(position, data, kind), envelope)
         ]
+        if self._last_send is None:
+            self._first_send = now
+        self._last_heard = now
+        if len(pieces) == 1 and now < self._last_send_new + self._gap():
+            # Too soon after the last: it goes with the next datagram, on the timer at most
+            # `min_gap` from the last one, together with whatever else comes meanwhile.
+            self._unacked[(position, 0)] = self._waiting = pieces[0]
+            return []
         # Pack before adding the new pieces, so a fragmented entry does not repeat its own
         # fragments in the datagrams of the same call.
         payloads = [self._pack(piece, now) for piece in pieces]
         assert all(payloads), "a new entry always fits its own datagram"
         for piece in pieces:
             self._unacked[(position, piece.entry.offset)] = piece
-        if self._first_send is None:
-            self._first_send = now
-        self._last_send = self._last_heard = now
+        self._last_send = self._last_send_new = now
         return self._emit(payloads)  # type: ignore[arg-type]
 
     def on_ack(self, payload: bytes, now: float) -> None:
@@ -231,6 +247,8 @@ class EloquentSender:
         if self._closed or not self._unacked or self.max_repeats == 0:
             return None
         assert self._last_send is not None and self._last_heard is not None
+        if self._waiting is not None:
+            return self._last_send_new + self._gap()
         deadline = self._last_send + self.resend_after
         if self.tail_resend and self.rtt is not None:
             # Overdue: the oldest entry has had time for its ACK to come back and then some.
@@ -246,6 +264,13 @@ class EloquentSender:
         deadline = self.timer()
         if deadline is None or now < deadline:
             return []
+        if (waiting := self._waiting) is not None:
+            self._waiting = None
+            del self._unacked[(waiting.entry.position, 0)]  # packed as the new one, not a repeat
+            payload = self._pack(waiting, now)
+            self._unacked[(waiting.entry.position, 0)] = waiting
+            self._last_send = self._last_send_new = now
+            return self._emit([payload])  # type: ignore[list-item]
         self._last_send = self._last_tail = now
         payload = self._pack(None, now) if self._eligible(now) else None
         if payload is None:
@@ -261,6 +286,10 @@ class EloquentSender:
         """Stop now: forget what is unacknowledged and never send again."""
         self._closed = True
         self._unacked.clear()
+
+    def _gap(self) -> float:
+        """The least time between datagrams with new events: `min_gap`, or a sixth of the RTT."""
+        return max(self.min_gap, self.rtt / 6 if self.rtt is not None else 0.0)
 
     def _entry_of(self, position: int, event: bytes) -> tuple[int, bytes, Envelope | None]:
         cut = split_text(event) if self.max_envelopes > 0 else None
@@ -312,38 +341,56 @@ class EloquentSender:
         ]
 
     def _pack(self, new: _Pending | None, now: float) -> bytes | None:
-        """One TOKENS payload: `new` (if any) after the oldest repeatable entries that fit."""
-        if new is not None:
-            envelope = new.envelope
+        """One TOKENS payload: `new` (if any) after the oldest repeatable entries that fit.
+
+        A message names one envelope; its TEXT entries under another go whole. The envelope is
+        the one most of them use, so that a new one (the last chunk's, which names its finish
+        reason) costs one whole event, not every repeat beside it."""
+        eligible = self._eligible(now)
+        if new is not None and new.entry.is_fragment:
+            envelope = new.envelope  # a fragment was cut to fit beside its own envelope
         else:
-            envelope = next(
-                (p.envelope for p in self._eligible(now) if p.envelope is not None), None
+            used = Counter(
+                p.envelope.position
+                for p in (*eligible, *([new] if new is not None else []))
+                if p.entry.kind == TEXT and p.envelope is not None
             )
+            top = max(used.values(), default=0)
+            newest = new.envelope.position if new is not None and new.envelope else None
+            best = newest if used.get(newest) == top else max(
+                (e for e, n in used.items() if n == top), default=None
+            )  # fmt: skip
+            envelope = next((e for e in self._envelopes if e.position == best), None)
         ref = envelope.position if envelope is not None else None
         carried = envelope if self._needs(envelope) else None
-        tail = [new.entry] if new is not None else []
+        tail = [self._carried_as(new, envelope)] if new is not None else []
         chosen: list[TokenEntry] = []
-        for pending in self._eligible(now):
+        for pending in eligible:
             if self.max_repeats is not None and len(chosen) >= self.max_repeats:
                 break
-            entry = pending.entry
-            if entry.kind == TEXT and pending.envelope is not envelope:
-                if entry.is_fragment:
-                    continue  # its envelope is another message's
-                # Whole, unless the envelopes churn (logprobs): then its text only.
-                churn = len(self._envelopes) >= self.max_envelopes
-                entry = (
-                    TokenEntry(entry.position, entry.data, TEXT_ONLY)
-                    if churn
-                    else TokenEntry(entry.position, pending.event, EVENT)
-                )
-            if Tokens((*chosen, entry, *tail), ref, carried).wire_size() <= self.max_payload:
+            entry = self._carried_as(pending, envelope)
+            if entry is None:
+                continue
+            if Tokens((*chosen, entry, *tail), ref, carried).wire_size() <= self.max_payload:  # type: ignore[arg-type]
                 chosen.append(entry)
         if not chosen and not tail:
             return None  # nothing repeatable fits beside the envelope; the stream has it all
-        if ref is not None and not any(e.kind == TEXT for e in (*chosen, *tail)):
+        entries = (*chosen, *tail)
+        if ref is not None and not any(e.kind == TEXT for e in entries):  # type: ignore[union-attr]
             ref = carried = None
-        return Tokens((*chosen, *tail), ref, carried).encode()
+        return Tokens(entries, ref, carried).encode()  # type: ignore[arg-type]
+
+    def _carried_as(self, pending: _Pending, envelope: Envelope | None) -> TokenEntry | None:
+        """The entry as a message under `envelope` can carry it; None: it cannot."""
+        entry = pending.entry
+        if entry.kind != TEXT or pending.envelope is envelope:
+            return entry
+        if entry.is_fragment:
+            return None  # its envelope is another message's
+        if len(self._envelopes) >= self.max_envelopes:
+            # The envelopes churn (logprobs): its text only; its whole event comes by stream.
+            return TokenEntry(entry.position, entry.data, TEXT_ONLY)
+        return TokenEntry(entry.position, pending.event, EVENT)
 
     def _emit(self, payloads: list[bytes]) -> list[bytes]:
         for payload in payloads:
