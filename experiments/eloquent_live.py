@@ -139,18 +139,19 @@ def run_rtt(rtt: float, args: argparse.Namespace, folder: Path) -> list[dict[str
 def score(row: dict[str, Any], written: dict[int, float], rtt: float) -> dict[str, Any]:
     times = [t for t, has_text in zip(row["times"], row.get("texts", []), strict=False)
              if has_text]  # fmt: skip
-    generated = [written.get(p) for p, has in enumerate(row.get("texts", [])) if has]
+    stamps = [written.get(p) for p, has in enumerate(row.get("texts", [])) if has]
+    generated = [stamp for stamp in stamps if stamp is not None]
     scored = {"rtt_ms": int(rtt * 1000), "session": row["session"], "eloquent": row["eloquent"],
               "error": row["error"], "status": row.get("status"), "tokens": len(times)}  # fmt: skip
-    if row["error"] is None and times and None not in generated:
+    if row["error"] is None and times and len(generated) == len(stamps):
         # As in the simulation (seed 002 §4.1): the session runs from the first token's
         # generation to its last render, so that arriving sooner does not shrink it.
-        end = max(times[-1], generated[-1])  # type: ignore[type-var]
+        end = max(times[-1], generated[-1])
         scored |= {
             "ttft_s": times[0] - row["start"],
             "stall_ratio": stall_ratio(times, end, session_start=generated[0]),
             "stall_s": sum(b - a for a, b in zip(times, times[1:], strict=False) if b - a > 0.2),
-            "late_share": late_share(generated, times),  # type: ignore[arg-type]
+            "late_share": late_share(generated, times),
             "tokens_per_datagram": float(np.median(row["per_datagram"]))
             if row.get("per_datagram") else None,
             "from_datagrams": row.get("from_datagrams", 0) / len(row["times"]),

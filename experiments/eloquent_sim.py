@@ -45,7 +45,7 @@ import asyncio
 import multiprocessing
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,7 +114,7 @@ def server_events(texts: list[str]) -> list[bytes]:
         model = "opt-1.3b"
         replica = SimpleNamespace(name="opt-1.3b-0")
 
-        async def __aiter__(self):  # type: ignore[no-untyped-def]
+        async def __aiter__(self) -> AsyncIterator[SimpleNamespace]:
             for i, text in enumerate(texts):
                 last = i == len(texts) - 1
                 yield SimpleNamespace(text=text, finish_reason="length" if last else None)

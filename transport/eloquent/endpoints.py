@@ -204,12 +204,11 @@ class EloquentSender:
             return []
         # Pack before adding the new pieces, so a fragmented entry does not repeat its own
         # fragments in the datagrams of the same call.
-        payloads = [self._pack(piece, now) for piece in pieces]
-        assert all(payloads), "a new entry always fits its own datagram"
+        payloads = [self._pack_new(piece, now) for piece in pieces]
         for piece in pieces:
             self._unacked[(position, piece.entry.offset)] = piece
         self._last_send = self._last_send_new = now
-        return self._emit(payloads)  # type: ignore[arg-type]
+        return self._emit(payloads)
 
     def on_ack(self, payload: bytes, now: float) -> None:
         """Forget every entry of the positions the receiver says it holds. A malformed ACK, or
@@ -267,10 +266,10 @@ class EloquentSender:
         if (waiting := self._waiting) is not None:
             self._waiting = None
             del self._unacked[(waiting.entry.position, 0)]  # packed as the new one, not a repeat
-            payload = self._pack(waiting, now)
+            payload = self._pack_new(waiting, now)
             self._unacked[(waiting.entry.position, 0)] = waiting
             self._last_send = self._last_send_new = now
-            return self._emit([payload])  # type: ignore[list-item]
+            return self._emit([payload])
         self._last_send = self._last_tail = now
         payload = self._pack(None, now) if self._eligible(now) else None
         if payload is None:
@@ -340,6 +339,11 @@ class EloquentSender:
             if window is None or pending.generated >= now - window
         ]
 
+    def _pack_new(self, new: _Pending, now: float) -> bytes:
+        payload = self._pack(new, now)
+        assert payload is not None, "a new entry always fits its own datagram"
+        return payload
+
     def _pack(self, new: _Pending | None, now: float) -> bytes | None:
         """One TOKENS payload: `new` (if any) after the oldest repeatable entries that fit.
 
@@ -363,22 +367,26 @@ class EloquentSender:
             envelope = next((e for e in self._envelopes if e.position == best), None)
         ref = envelope.position if envelope is not None else None
         carried = envelope if self._needs(envelope) else None
-        tail = [self._carried_as(new, envelope)] if new is not None else []
+        tail: list[TokenEntry] = []
+        if new is not None:
+            entry = self._carried_as(new, envelope)
+            assert entry is not None, "a fragment names its own envelope"
+            tail.append(entry)
         chosen: list[TokenEntry] = []
         for pending in eligible:
             if self.max_repeats is not None and len(chosen) >= self.max_repeats:
                 break
-            entry = self._carried_as(pending, envelope)
-            if entry is None:
+            repeat = self._carried_as(pending, envelope)
+            if repeat is None:
                 continue
-            if Tokens((*chosen, entry, *tail), ref, carried).wire_size() <= self.max_payload:  # type: ignore[arg-type]
-                chosen.append(entry)
+            if Tokens((*chosen, repeat, *tail), ref, carried).wire_size() <= self.max_payload:
+                chosen.append(repeat)
         if not chosen and not tail:
             return None  # nothing repeatable fits beside the envelope; the stream has it all
         entries = (*chosen, *tail)
-        if ref is not None and not any(e.kind == TEXT for e in entries):  # type: ignore[union-attr]
+        if ref is not None and not any(e.kind == TEXT for e in entries):
             ref = carried = None
-        return Tokens(entries, ref, carried).encode()  # type: ignore[arg-type]
+        return Tokens(entries, ref, carried).encode()
 
     def _carried_as(self, pending: _Pending, envelope: Envelope | None) -> TokenEntry | None:
         """The entry as a message under `envelope` can carry it; None: it cannot."""
@@ -535,7 +543,8 @@ class EloquentReceiver:
             or len(self._envelopes) < MAX_ENVELOPES_HELD
         ):
             self._envelopes[message.envelope.position] = message.envelope
-        envelope = self._envelopes.get(message.envelope_ref)  # type: ignore[arg-type]
+        ref = message.envelope_ref
+        envelope = self._envelopes.get(ref) if ref is not None else None
         before = len(self._texts)
         duplicate = False
         for entry in message.entries:
