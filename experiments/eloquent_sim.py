@@ -70,7 +70,7 @@ from transport.eloquent import (
     ReceiverLane,
     SenderLane,
 )
-from transport.eloquent.driver import datagram_sender
+from transport.eloquent.driver import datagram_sender, withdraw
 from transport.eloquent.sse import split_text
 from transport.link import GilbertElliott, LinkConfig
 from transport.simlink import SimulatedPath
@@ -218,16 +218,14 @@ class Session:
             # copies would die together. The last token's copies still waiting for the window
             # are dropped, as Eloquent's superseded datagrams are (`datagram_sender`): queued
             # behind a shut window they would fill every probe and starve the stream.
-            pending = self.server._datagrams_pending
-            stale = {id(frame) for frame in self._dup_queued}
-            for frame in [f for f in pending if id(f) in stale]:
-                pending.remove(frame)
+            for frame in self._dup_queued:
+                withdraw(self.server, frame)
             self._dup_queued = []
             for _ in range(int(self.scheme.removeprefix("dup-"))):
                 self.path.transmit()
                 self.datagram_bytes += len(payload)
                 self.server_h3.send_datagram(self.stream_id, payload)
-                self._dup_queued.append(pending[-1])
+                self._dup_queued.append(self.server._datagrams_pending[-1])
             return
         self.datagram_bytes += len(payload)
         self._to_client(payload)
@@ -302,6 +300,25 @@ class Session:
         }
 
 
+def loss_limit(link: LinkConfig, count: int, size: int = 120) -> float:
+    """The stall ratio of an ideal sender over this link's downlink: every token that has not
+    got through yet goes in one packet per token, with no congestion control and no ACKs to
+    lose. What no scheme that sends once per token can beat on this loss process."""
+    _, down = link.directions()
+    renders: list[float] = []
+    behind = 0
+    for i in range(count):
+        behind += 1
+        arrival = down.admit(size, 1.0 + i * TOKEN_GAP_S)
+        if arrival is not None:
+            renders += [arrival] * behind
+            behind = 0
+    if not renders:
+        return 1.0
+    end = max(renders[-1], 1.0 + (count - 1) * TOKEN_GAP_S)
+    return stall_ratio(renders, end, session_start=1.0)
+
+
 def run_session(job: tuple[str, str, float, int, str, float, int, tuple[Path, Path]]) -> dict:
     pattern, ack_loss, rtt, seed, scheme, rate_mbps, count, certificate = job
     bursts = LOSS_PATTERNS[pattern]
@@ -311,7 +328,8 @@ def run_session(job: tuple[str, str, float, int, str, float, int, tuple[Path, Pa
     session = Session(scheme, link, certificate, count)
     session.run()
     key = {"pattern": pattern, "ack_loss": ack_loss, "rtt_ms": int(rtt * 1000)}
-    return key | {"scheme": scheme, "seed": seed} | session.metrics()
+    limit = {"loss_limit": loss_limit(link, count)} if scheme == "stream" else {}
+    return key | {"scheme": scheme, "seed": seed} | session.metrics() | limit
 
 
 def main() -> int:
@@ -394,9 +412,16 @@ def report(rows: list[dict], cases: list[Case], schemes: list[str]) -> dict:
                 f"{means['payload_redundancy']:>16.2f} {means['wire_redundancy']:>8.2f} "
                 f"{means['tokens_per_datagram']:>13.1f} {means['died']:>6.0%}"
             )
+        if "stream" in schemes:
+            limit = float(np.mean([r["loss_limit"] for r in rows if "loss_limit" in r and
+                                   (r["pattern"], r["ack_loss"], r["rtt_ms"])
+                                   == (pattern, ack_loss, int(rtt * 1000))]))  # fmt: skip
+            base = summary[pattern, ack_loss, rtt, "stream"]
+            print(f"  the loss process's limit (one packet a token, no congestion control): "
+                  f"{limit:.2%}, {change({'s': limit}, {'s': base['stall_ratio']}, 's')} "
+                  "against the stream")  # fmt: skip
         if {"stream", "eloquent"} <= set(schemes):
             el = summary[pattern, ack_loss, rtt, "eloquent"]
-            base = summary[pattern, ack_loss, rtt, "stream"]
             dups = [s for s in schemes if s.startswith("dup-")]
             line = (
                 f"  eloquent vs stream: stall {change(el, base, 'stall_ratio')}, "

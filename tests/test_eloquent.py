@@ -306,6 +306,20 @@ def test_the_receiver_never_renders_a_position_twice_or_out_of_order():
         receiver.on_stream_event(0, events[0], 7.0)  # the stream is in order
 
 
+def test_ack_delay_coalesces_in_order_acks_and_answers_gaps_at_once():
+    events = server_events([f" {i}" for i in range(4)])
+    sender = EloquentSender(max_repeats=0, min_gap=0.0)  # one entry a datagram
+    payloads = [sender.on_event(e, 0.0)[0] for e in events]
+    receiver = EloquentReceiver(ack_delay=0.05)
+    assert receiver.on_datagram(payloads[0], 1.0) == [] and receiver.timer() == 1.05
+    assert receiver.on_datagram(payloads[1], 1.01) == [] and receiver.timer() == 1.05
+    assert receiver.on_timer(1.04) == []
+    (ack,) = receiver.on_timer(1.05)
+    assert decode_message(ack) == Ack(2, (), 1) and receiver.timer() is None
+    (ack,) = receiver.on_datagram(payloads[3], 1.1)  # past a gap: at once, naming what it holds
+    assert decode_message(ack) == Ack(2, (3,), 1)
+
+
 def test_the_stream_wins_when_copies_differ():
     events = server_events([" a", " b", " c"])
     sender = EloquentSender()

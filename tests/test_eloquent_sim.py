@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.eloquent_sim import SCHEMES, Session, server_events, words
+from experiments.eloquent_sim import SCHEMES, Session, loss_limit, server_events, words
 from transport.link import GilbertElliott, LinkConfig, LinkDirection
 from transport.tls import ensure_certificate
 
@@ -75,3 +75,11 @@ def test_eloquent_renders_earlier_than_the_stream_alone_and_runs_repeat(
     assert eloquent["mean_delay_s"] < stream["mean_delay_s"]
     assert eloquent["late_share"] < stream["late_share"]
     assert run("eloquent") == eloquent  # virtual time and a seed: the same run twice
+
+
+def test_the_loss_limit_is_zero_without_loss_and_grows_with_the_bursts() -> None:
+    calm = LinkConfig(delay_s=0.2)
+    assert loss_limit(calm, 300) == 0.0
+    limits = [loss_limit(calm.replace(bursts=GilbertElliott(bad_slots=b), seed=0), 300)
+              for b in (2, 5)]  # fmt: skip
+    assert 0 < limits[0] < limits[1] < 1

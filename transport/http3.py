@@ -317,6 +317,7 @@ class _Http3Protocol(CoalescingProtocol):
         if dict(headers).get(ELOQUENT_HEADER, b"").lower() in (b"1", b"true"):
             request.tap = extensions[DATAGRAMS] = DatagramTap(self, event.stream_id)
             self.lanes[event.stream_id] = request.tap
+            self.quic.datagram_allowance = DATAGRAM_ALLOWANCE
         self._requests[event.stream_id] = request
         if event.stream_ended:
             request.body_received(b"", True)
@@ -374,7 +375,6 @@ class _Http3Protocol(CoalescingProtocol):
             if self.lanes.get(stream_id) is lane:
                 del self.lanes[stream_id]
 
-        self.quic.datagram_allowance = DATAGRAM_ALLOWANCE
         loop = asyncio.get_running_loop()
         lane = SenderLane(EloquentSender(), send, loop, rtt, done)
         self.lanes[stream_id] = lane
@@ -584,16 +584,15 @@ class DatagramTap:
         self._protocol = protocol
         self.stream_id = stream_id
         self.receive: Callable[[bytes], None] | None = None
+        self._send = datagram_sender(protocol.quic, protocol.h3, stream_id, protocol.transmit_soon)
 
     @property
     def claimed(self) -> bool:
         return self.receive is not None
 
     def send(self, payload: bytes) -> None:
-        if self._protocol.lanes.get(self.stream_id) is not self:
-            return  # the stream is gone
-        self._protocol.h3.send_datagram(self.stream_id, payload)
-        self._protocol.transmit_soon()
+        if self._protocol.lanes.get(self.stream_id) is self:  # else the stream is gone
+            self._send(payload)
 
     def datagram(self, payload: bytes) -> None:
         if self.receive is not None:

@@ -51,21 +51,31 @@ def datagram_sender(
 
     def send(payload: bytes) -> None:
         carries = _carries(payload)
-        pending = quic._datagrams_pending  # aioquic's queue; it has no API to withdraw one
-        alive = {id(frame) for frame in pending}
-        queued[:] = [(frame, keys) for frame, keys in queued if id(frame) in alive]
-        for frame, keys in list(queued):
-            if keys <= carries:
-                for i, waiting in enumerate(pending):
-                    if waiting is frame:
-                        del pending[i]
-                        break
-                queued.remove((frame, keys))
+        queued[:] = [
+            (frame, keys)
+            for frame, keys in queued
+            if not (keys <= carries and withdraw(quic, frame)) and _waiting(quic, frame)
+        ]
         h3.send_datagram(stream_id, payload)
-        queued.append((pending[-1], carries))
+        queued.append((quic._datagrams_pending[-1], carries))
         transmit()
 
     return send
+
+
+def _waiting(quic: QuicConnection, frame: bytes) -> bool:
+    return any(waiting is frame for waiting in quic._datagrams_pending)
+
+
+def withdraw(quic: QuicConnection, frame: bytes) -> bool:
+    """Take one DATAGRAM frame (by identity) out of aioquic's send queue, if it is still there;
+    aioquic has no API for it. True if it was."""
+    pending = quic._datagrams_pending
+    for i, waiting in enumerate(pending):
+        if waiting is frame:
+            del pending[i]
+            return True
+    return False
 
 
 def _carries(payload: bytes) -> frozenset[object]:
@@ -103,10 +113,9 @@ class _Timed:
         due = self._endpoint.timer()
         if due == self._due:
             return
-        if self._handle is not None and hasattr(self._handle, "cancel"):
-            self._handle.cancel()
-        self._handle, self._due = None, due
+        self.disarm()
         if due is not None:
+            self._due = due
             self._handle = self.clock.call_at(due, lambda: self._fire(due))
 
     def disarm(self) -> None:
@@ -154,7 +163,7 @@ class SenderLane(_Timed):
             self.send(self.sender.on_event(event, now))
         if ended:
             self.sender.finish()
-        self._settle()
+        self.arm()
 
     def datagram(self, payload: bytes) -> None:
         """An ACK from the client. A malformed one is counted by the sender and dropped."""
@@ -166,26 +175,23 @@ class SenderLane(_Timed):
         except ValueError as exc:  # a confused or hostile client; the stream still delivers
             logger.info("Eloquent ACK dropped: %s", exc)
             return
-        self._settle()
+        self.arm()
 
     def close(self) -> None:
         """The stream was reset or the connection closed: stop now."""
         if not self._closed:
             self.sender.close()
-            self._settle()
+            self.arm()
 
     def arm(self) -> None:
-        self.sender.rtt = self._rtt()
-        super().arm()
-        self._settle(arm=False)
-
-    def _settle(self, arm: bool = True) -> None:
+        """Keep the sender's timer armed, or end the lane once nothing will be sent again."""
         sender = self.sender
+        sender.rtt = self._rtt()
         if sender.done or (sender.finished and sender.timer() is None):
             self._closed = True
             self.disarm()
             self._on_done()
-        elif arm:
+        else:
             super().arm()
 
 

@@ -44,19 +44,12 @@ _L_HISTORY_S = 10.0
 
 @dataclass
 class SenderStats:
-    """What the sender handed out, for the redundancy metric (seed 002 §4.1)."""
+    """What the sender handed out."""
 
-    events: int = 0
-    token_bytes: int = 0
-    """Bytes of the events' texts (or of whole events that have none), each counted once."""
-    datagrams: int = 0
-    payload_bytes: int = 0
-    """Every datagram payload byte handed out: framing, envelopes, repeats and re-sends."""
-    timer_datagrams: int = 0
-    """Datagrams sent by `on_timer` (re-sends with no new event)."""
     entries: list[int] = field(default_factory=list)
     """Entries in each datagram, in order: the tokens a packet carried."""
-    acks: int = 0
+    timer_datagrams: int = 0
+    """Datagrams sent by `on_timer` (re-sends with no new event)."""
     bad_acks: int = 0
     """ACKs dropped: malformed, or naming positions never sent."""
 
@@ -148,8 +141,10 @@ class EloquentSender:
         self._last_send_new = float("-inf")  # the last datagram with a new event
         self._waiting: _Pending | None = None  # the newest event, held for `min_gap`
         self._last_heard: float | None = None  # last new event or ACK: the path is alive
-        self._acks: deque[float] = deque()  # arrival times over the last _L_HISTORY_S
-        self._silence = 0.0  # the longest gap between those
+        self._last_ack: float | None = None
+        # The gaps between ACKs that began within _L_HISTORY_S, as (start, length), each
+        # longer than every later one: the first is the longest (a sliding-window maximum).
+        self._gaps: deque[tuple[float, float]] = deque()
         self._finished = False
         self._closed = False
 
@@ -175,9 +170,15 @@ class EloquentSender:
         """How far back repeats reach now, in seconds: 2·RTT + L; None: no limit."""
         if not self.window or self.rtt is None:
             return None
-        heard = self._acks[-1] if self._acks else self._first_send
+        heard = self._last_ack if self._last_ack is not None else self._first_send
         present = now - heard if heard is not None else 0.0
-        return 2 * self.rtt + max(self._silence, present)
+        self._forget_gaps(now)
+        longest = self._gaps[0][1] if self._gaps else 0.0
+        return 2 * self.rtt + max(longest, present)
+
+    def _forget_gaps(self, now: float) -> None:
+        while self._gaps and self._gaps[0][0] < now - _L_HISTORY_S:
+            self._gaps.popleft()
 
     def on_event(self, event: bytes, now: float) -> list[bytes]:
         """Take the response's next event; return the payloads to send now."""
@@ -188,13 +189,11 @@ class EloquentSender:
         position = self._next_position
         self._next_position += 1
         kind, data, envelope = self._entry_of(position, event)
-        self.stats.events += 1
-        self.stats.token_bytes += len(data)
         pieces = [
             _Pending(piece, envelope, event, now)
             for piece in self._split(TokenEntry(position, data, kind), envelope)
         ]
-        if self._last_send is None:
+        if self._first_send is None:
             self._first_send = now
         self._last_heard = now
         if len(pieces) == 1 and now < self._last_send_new + self._gap():
@@ -204,11 +203,11 @@ class EloquentSender:
             return []
         # Pack before adding the new pieces, so a fragmented entry does not repeat its own
         # fragments in the datagrams of the same call.
-        payloads = [self._pack_new(piece, now) for piece in pieces]
+        messages = [self._pack_new(piece, now) for piece in pieces]
         for piece in pieces:
             self._unacked[(position, piece.entry.offset)] = piece
         self._last_send = self._last_send_new = now
-        return self._emit(payloads)
+        return self._emit(messages)
 
     def on_ack(self, payload: bytes, now: float) -> None:
         """Forget every entry of the positions the receiver says it holds. A malformed ACK, or
@@ -227,13 +226,13 @@ class EloquentSender:
         except EloquentFormatError:
             self.stats.bad_acks += 1
             raise
-        self.stats.acks += 1
-        self._acks.append(now)
-        while self._acks[0] < now - _L_HISTORY_S:
-            self._acks.popleft()
-        self._silence = max(
-            (b - a for a, b in zip(self._acks, list(self._acks)[1:], strict=False)), default=0.0
-        )
+        if self._last_ack is not None:
+            gap = now - self._last_ack
+            while self._gaps and self._gaps[-1][1] <= gap:
+                self._gaps.pop()
+            self._gaps.append((self._last_ack, gap))
+            self._forget_gaps(now)
+        self._last_ack = now
         self._last_heard = now if self._last_heard is None else max(self._last_heard, now)
         if message.envelope is not None:
             self._peer_envelope = max(self._peer_envelope or 0, message.envelope)
@@ -266,16 +265,16 @@ class EloquentSender:
         if (waiting := self._waiting) is not None:
             self._waiting = None
             del self._unacked[(waiting.entry.position, 0)]  # packed as the new one, not a repeat
-            payload = self._pack_new(waiting, now)
+            message = self._pack_new(waiting, now)
             self._unacked[(waiting.entry.position, 0)] = waiting
             self._last_send = self._last_send_new = now
-            return self._emit([payload])
+            return self._emit([message])
         self._last_send = self._last_tail = now
-        payload = self._pack(None, now) if self._eligible(now) else None
-        if payload is None:
+        repeat = self._pack(None, now) if self._eligible(now) else None
+        if repeat is None:
             return []
         self.stats.timer_datagrams += 1
-        return self._emit([payload])
+        return self._emit([repeat])
 
     def finish(self) -> None:
         """No event follows; keep re-sending until everything is acknowledged."""
@@ -339,13 +338,13 @@ class EloquentSender:
             if window is None or pending.generated >= now - window
         ]
 
-    def _pack_new(self, new: _Pending, now: float) -> bytes:
-        payload = self._pack(new, now)
-        assert payload is not None, "a new entry always fits its own datagram"
-        return payload
+    def _pack_new(self, new: _Pending, now: float) -> Tokens:
+        message = self._pack(new, now)
+        assert message is not None, "a new entry always fits its own datagram"
+        return message
 
-    def _pack(self, new: _Pending | None, now: float) -> bytes | None:
-        """One TOKENS payload: `new` (if any) after the oldest repeatable entries that fit.
+    def _pack(self, new: _Pending | None, now: float) -> Tokens | None:
+        """One TOKENS message: `new` (if any) after the oldest repeatable entries that fit.
 
         A message names one envelope; its TEXT entries under another go whole. The envelope is
         the one most of them use, so that a new one (the last chunk's, which names its finish
@@ -373,20 +372,28 @@ class EloquentSender:
             assert entry is not None, "a fragment names its own envelope"
             tail.append(entry)
         chosen: list[TokenEntry] = []
+        # Sizes kept as they grow (Tokens.wire_size's terms), not recomputed per candidate:
+        # with a hundred unacknowledged tokens that was 5,000 entry sizes a datagram.
+        header = Tokens((), ref, carried).wire_size() - size_uint_var(0)
+        body, last = 0, None
         for pending in eligible:
             if self.max_repeats is not None and len(chosen) >= self.max_repeats:
                 break
             repeat = self._carried_as(pending, envelope)
             if repeat is None:
                 continue
-            if Tokens((*chosen, repeat, *tail), ref, carried).wire_size() <= self.max_payload:
+            grown = body + repeat.wire_size(last)
+            after = tail[0].wire_size(repeat.position) if tail else 0
+            count = size_uint_var(len(chosen) + 1 + len(tail))
+            if header + count + grown + after <= self.max_payload:
                 chosen.append(repeat)
+                body, last = grown, repeat.position
         if not chosen and not tail:
             return None  # nothing repeatable fits beside the envelope; the stream has it all
         entries = (*chosen, *tail)
         if ref is not None and not any(e.kind == TEXT for e in entries):
             ref = carried = None
-        return Tokens(entries, ref, carried).encode()
+        return Tokens(entries, ref, carried)
 
     def _carried_as(self, pending: _Pending, envelope: Envelope | None) -> TokenEntry | None:
         """The entry as a message under `envelope` can carry it; None: it cannot."""
@@ -400,15 +407,12 @@ class EloquentSender:
             return TokenEntry(entry.position, entry.data, TEXT_ONLY)
         return TokenEntry(entry.position, pending.event, EVENT)
 
-    def _emit(self, payloads: list[bytes]) -> list[bytes]:
-        for payload in payloads:
+    def _emit(self, messages: list[Tokens]) -> list[bytes]:
+        payloads = [message.encode() for message in messages]
+        for message, payload in zip(messages, payloads, strict=True):
             # A payload over the limit would not just be lost: aioquic would wedge every datagram
             # behind it (FACTS), so this is an invariant, not a hope.
             assert len(payload) <= self.max_payload, (len(payload), self.max_payload)
-            self.stats.datagrams += 1
-            self.stats.payload_bytes += len(payload)
-            message = decode_message(payload)
-            assert isinstance(message, Tokens)
             self.stats.entries.append(len(message.entries))
         return payloads
 
@@ -439,10 +443,6 @@ class RenderEvent:
 
 @dataclass
 class ReceiverStats:
-    datagrams: int = 0
-    entries: int = 0
-    duplicate_entries: int = 0
-    """Datagram entries for positions already held (by either path)."""
     mismatches: int = 0
     """Positions whose datagram and stream copies differed; the stream's copy was kept."""
     dropped: int = 0
@@ -454,7 +454,11 @@ class ReceiverStats:
     with_envelope: int = 0
     """Datagrams that carried an envelope: the sender stops once an ACK says it arrived."""
     acks: int = 0
-    ack_bytes: int = 0
+
+    @property
+    def datagrams(self) -> int:
+        """Datagrams taken (well-formed TOKENS messages)."""
+        return len(self.sizes)
 
 
 @dataclass
@@ -468,7 +472,6 @@ class _Held:
 class _Reassembly:
     kind: int
     total: int
-    envelope: Envelope | None
     pieces: dict[int, bytes] = field(default_factory=dict)  # offset -> bytes
 
 
@@ -481,8 +484,8 @@ class EloquentReceiver:
     client reads), which differ only where a datagram could carry the text but not the event.
     The stream is the authority: if its copy differs from a datagram's, its copy is kept and
     `stats.mismatches` counts it. With `ack_delay`, datagrams that only fill the prefix in order
-    are acknowledged together, at most `ack_delay` later; anything out of order or duplicated
-    (the sender missed an ACK) is acknowledged at once. The default acknowledges every
+    are acknowledged together, at most `ack_delay` later; a gap, or a repeat of what the last ACK
+    covered (so the sender missed it), is acknowledged at once. The default acknowledges every
     datagram at once, as Algorithm 2 does.
     """
 
@@ -499,6 +502,7 @@ class EloquentReceiver:
         self._envelopes: dict[int, Envelope] = {}
         self._stream_next = 0
         self._ack_due: float | None = None
+        self._acked_below = 0  # the last ACK's `below`
 
     @property
     def next_position(self) -> int:
@@ -535,7 +539,6 @@ class EloquentReceiver:
         except EloquentFormatError:
             self.stats.dropped += 1
             return []
-        self.stats.datagrams += 1
         self.stats.sizes.append(len(message.entries))
         self.stats.with_envelope += message.envelope is not None
         if message.envelope is not None and (
@@ -548,17 +551,16 @@ class EloquentReceiver:
         before = len(self._texts)
         duplicate = False
         for entry in message.entries:
-            self.stats.entries += 1
             if entry.position >= len(self._texts) + MAX_AHEAD:
                 self.stats.dropped += 1
                 continue
             held = self._known(entry.position)
             gives_event = entry.kind == EVENT or (entry.kind == TEXT and envelope is not None)
             if held is not None and (held.event is not None or not gives_event):
-                self.stats.duplicate_entries += 1
-                duplicate = True
+                # A repeat of what the last ACK already covered: that ACK was lost.
+                duplicate |= entry.position < self._acked_below
                 continue
-            data = entry.data if not entry.is_fragment else self._reassemble(entry, envelope)
+            data = entry.data if not entry.is_fragment else self._reassemble(entry)
             if data is None:
                 continue
             self._take(entry.position, entry.kind, data, envelope, held)
@@ -627,7 +629,7 @@ class EloquentReceiver:
             return _Held(self._texts[position], self._events[position], "")
         return self._held.get(position)
 
-    def _reassemble(self, entry: TokenEntry, envelope: Envelope | None) -> bytes | None:
+    def _reassemble(self, entry: TokenEntry) -> bytes | None:
         """Add a fragment; return the entry's bytes once all are here."""
         assert entry.total is not None
         if entry.total > MAX_ENTRY_BYTES:
@@ -636,9 +638,7 @@ class EloquentReceiver:
         partial = self._partial.get(entry.position)
         if partial is None or (partial.total, partial.kind) != (entry.total, entry.kind):
             # A different total means a different cut of the entry; start over with this one.
-            partial = self._partial[entry.position] = _Reassembly(entry.kind, entry.total, None)
-        if entry.kind == TEXT and envelope is not None:
-            partial.envelope = envelope
+            partial = self._partial[entry.position] = _Reassembly(entry.kind, entry.total)
         partial.pieces.setdefault(entry.offset, entry.data)
         end = 0
         for offset in sorted(partial.pieces):
@@ -670,11 +670,11 @@ class EloquentReceiver:
 
     def _ack(self) -> bytes:
         self._ack_due = None
+        self._acked_below = len(self._texts)
         held = tuple(heapq.nsmallest(MAX_ACK_POSITIONS, self._held))
         newest = max(self._envelopes, default=None)
         payload = Ack(len(self._texts), held, newest).encode()
         self.stats.acks += 1
-        self.stats.ack_bytes += len(payload)
         return payload
 
 
