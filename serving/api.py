@@ -30,6 +30,7 @@ from serving.protocol import (
     asked_for,
 )
 from transport.drain import Drain
+from transport.http3 import ResponseNotDelivered
 from transport.qos import QosRejected, RequestTag, tag_of
 from workloads import Message
 from workloads import Request as LlmRequest
@@ -499,6 +500,12 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return Response(status_code=499)  # nobody reads it; the status is for access logs
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        if isinstance(exc, ResponseNotDelivered):
+            # The client left (or its stream passed its deadline) while an answer was going
+            # out, one written outside the routes, such as the door's 429: nothing went wrong
+            # here. Under overload this came by the hundred, each with a traceback.
+            log.info("answer not delivered: %s", exc)
+            return Response(status_code=499)
         log.exception("unexpected error")
         return _error(500, "Internal server error; see the server log.", "internal_error")

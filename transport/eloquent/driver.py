@@ -173,7 +173,8 @@ class SenderLane(_Timed):
         try:
             self.sender.on_ack(payload, self.clock.time())
         except ValueError as exc:  # a confused or hostile client; the stream still delivers
-            logger.info("Eloquent ACK dropped: %s", exc)
+            if self.sender.stats.bad_acks == 1:  # one line a lane: a flood must not flood the log
+                logger.info("Eloquent ACK dropped (later ones only counted): %s", exc)
             return
         self.arm()
 
@@ -190,6 +191,8 @@ class SenderLane(_Timed):
         if sender.done or (sender.finished and sender.timer() is None):
             self._closed = True
             self.disarm()
+            if sender.stats.bad_acks > 1:
+                logger.info("Eloquent lane ended with %d ACKs dropped", sender.stats.bad_acks)
             self._on_done()
         else:
             super().arm()
