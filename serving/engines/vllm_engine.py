@@ -85,20 +85,19 @@ class VllmEngine:
         return {}
 
     def _dtype_args(self) -> dict[str, object]:
-        """float32 on a CPU without native bf16, unless the placement says otherwise.
+        """float32 on a CPU, unless the placement says otherwise.
 
-        vLLM's CPU default turns float32 and fp16 weights into bf16, which such a CPU emulates.
-        On this project's AVX-512 CPU without AVX512-BF16 or AMX, float32 took tiny-l from 63.6
-        to 30.7 ms per token at batch 16 and a 1,350-token prefill from 3.2 to 1.0 s; only
-        batch-1 decode was faster in bf16 (14.9 against 19.4 ms).
+        vLLM's CPU default turns float32 and fp16 weights into bf16. On this project's first
+        AVX-512 CPU, without AVX512-BF16 or AMX, bf16 was emulated: float32 took tiny-l from
+        63.6 to 30.7 ms per token at batch 16 and a 1,350-token prefill from 3.2 to 1.0 s (only
+        batch-1 decode was faster in bf16, 14.9 against 19.4 ms), and the embedded profile was
+        measured in float32. On a later machine with AMX and AVX512-BF16, a bf16 tiny-s worker
+        died of SIGILL (exit -4) on its first request in two of three test sessions, though
+        torch's bf16 matmul ran there; float32 did not. So float32 everywhere on a CPU, which
+        also keeps the measured profile true.
         """
         if self.config.device != "cpu" or "dtype" in self.config.engine_args:
             return {}
-        import torch
-
-        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-            return {}
-        log.info("%s: float32, as this CPU has no native bf16", self.config.name)
         return {"dtype": "float32"}
 
     def _cpu_cores(self) -> set[int] | None:
