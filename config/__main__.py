@@ -17,9 +17,15 @@ def main() -> int:
         for name in spec.deployments:
             dep = resolve(spec, name, path.parent)
             engines = ", simulated engines" if dep.simulation else ""
-            print(f"{name}: {len(dep.replicas)} replicas, policy {dep.policy.name}{engines}")
+            paths = f", clients on path mix {dep.path_mix}" if dep.path_mix else ""
+            print(f"{name}: {len(dep.replicas)} replicas, policy {dep.policy.name}{engines}{paths}")
             for replica in dep.replicas:
                 print(f"  {replica.name:28} {replica.source}")
+        for name, mix in spec.path_mixes.items():
+            shares = sum(p.share for p in mix.paths.values())
+            print(f"path mix {name}: " + ", ".join(
+                f"{path} {p.rtt_s * 1e3:g} ms, {p.rate_bps / 1e6:g} Mbit/s, loss {p.mean_loss:.2%}"
+                f" ({p.share / shares:.0%})" for path, p in mix.paths.items()))  # fmt: skip
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from config.schema import (
     Faults,
     Limits,
     ModelsFile,
+    PathMix,
     PolicySpec,
     Profile,
     ProfileModel,
@@ -85,6 +86,10 @@ class Deployment:
     """Resolved: its rule is always set."""
     simulation: Simulation | None = None
     """Set where the engines are simulated."""
+    paths: PathMix | None = None
+    """The path mix its clients come over, where it names one."""
+    path_mix: str | None = None
+    """That mix's name."""
 
     @property
     def models(self) -> list[str]:
@@ -105,6 +110,18 @@ class Deployment:
             raise ConfigError(f"a time scale must be a number above 0, got {factor:g}")
         simulation = replace(self.simulation, time_scale=self.simulation.time_scale * factor)
         return replace(self, profile=_scaled(self.profile, factor), simulation=simulation)
+
+    def with_paths(self, name: str | None, mix: PathMix | None) -> Deployment:
+        """This deployment with its clients on path mix `name` (None: paths not modelled)."""
+        return replace(self, paths=mix, path_mix=name)
+
+    @property
+    def policy_file(self) -> str | None:
+        """The trained policy it routes with: the network-aware one where its clients come over
+        a path mix and it names one, else the network-blind one."""
+        if self.paths is not None and self.policy.net_path is not None:
+            return self.policy.net_path
+        return self.policy.path
 
     @property
     def max_batch(self) -> int | None:
@@ -182,6 +199,8 @@ def resolve(
         profile=_profile(spec, dep.profile, simulation),
         admission=_admission(name, dep.admission, dep.profile),
         simulation=simulation,
+        paths=spec.path_mixes[dep.paths] if dep.paths is not None else None,
+        path_mix=dep.paths,
     )
 
 
@@ -241,14 +260,26 @@ def _admission(name: str, admission: AdmissionSpec, profile: object | None) -> A
 
 
 def _policy(policy: PolicySpec, base_dir: Path) -> PolicySpec:
-    if policy.path is None or Path(policy.path).is_absolute():
-        return policy
-    return policy.model_copy(update={"path": str(base_dir / policy.path)})
+    files = {"path": policy.path, "net_path": policy.net_path}
+    return policy.model_copy(
+        update={k: str(base_dir / v) for k, v in files.items() if v and not Path(v).is_absolute()}
+    )
 
 
-def load_deployment(path: str | Path = DEFAULT_PATH, name: str | None = None) -> Deployment:
+def load_deployment(
+    path: str | Path = DEFAULT_PATH, name: str | None = None, paths: str | None = None
+) -> Deployment:
+    """Deployment `name` of models.yaml at `path`; with `paths`, its clients on that path mix
+    instead of the one it names."""
     path = Path(path).resolve()
-    return resolve(load(path), name, path.parent)
+    spec = load(path)
+    deployment = resolve(spec, name, path.parent)
+    if paths is None:
+        return deployment
+    if paths not in spec.path_mixes:
+        known = ", ".join(spec.path_mixes) or "none"
+        raise ConfigError(f"{path}: unknown path mix {paths!r} (known: {known})")
+    return deployment.with_paths(paths, spec.path_mixes[paths])
 
 
 def _replicas(

@@ -174,6 +174,46 @@ class ApiKey(Strict):
         return self.key if self.key is not None else os.environ.get(self.key_env or "") or None
 
 
+class Bursts(Strict):
+    """Bursty loss: the Gilbert-Elliott chain of `transport.link.GilbertElliott` (seed 002 §4.1),
+    with its defaults, the seed's default case: about 15% loss in bursts of 200 ms."""
+
+    good_slots: Annotated[float, Field(ge=1)] = 10.0
+    bad_slots: Annotated[float, Field(ge=1)] = 2.0
+    bad_loss: Annotated[float, Field(ge=0, le=1)] = 0.9
+    good_loss: Annotated[float, Field(ge=0, le=1)] = 0.0
+    slot_s: PositiveFloat = 0.1
+
+    @property
+    def mean_loss(self) -> float:
+        bad_share = self.bad_slots / (self.good_slots + self.bad_slots)
+        return bad_share * self.bad_loss + (1 - bad_share) * self.good_loss
+
+
+class PathSpec(Strict):
+    """One kind of client network path, the same both ways."""
+
+    rtt_s: Annotated[float, Field(ge=0, le=10)]
+    rate_bps: PositiveFloat
+    loss: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """i.i.d. loss per packet; `bursts` instead for bursty loss."""
+    bursts: Bursts | None = None
+    share: PositiveFloat = 1.0
+    """Of the clients, relative to the mix's other paths."""
+
+    @property
+    def mean_loss(self) -> float:
+        return self.bursts.mean_loss if self.bursts is not None else self.loss
+
+
+class PathMix(Strict):
+    """The network paths a deployment's clients come over, and how many come over each: what the
+    router's simulator draws each request's path from."""
+
+    source: str | None = None
+    paths: Annotated[dict[str, PathSpec], Field(min_length=1)]
+
+
 class PolicySpec(Strict):
     name: str
     max_running: Annotated[int, Field(gt=0)] = 8
@@ -184,6 +224,9 @@ class PolicySpec(Strict):
     """static: the one model every request goes to."""
     path: str | None = None
     """dqn: the trained policy file (.npz), relative to models.yaml's directory."""
+    net_path: str | None = None
+    """dqn: the network-aware policy file, trained with a path mix (`router.train --paths`); it
+    routes instead of `path` where the deployment's clients come over a path mix."""
 
 
 class AdmissionSpec(Strict):
@@ -239,6 +282,9 @@ class DeploymentSpec(Strict):
     admission: AdmissionSpec = AdmissionSpec()
     engine_args: dict[str, object] = {}
     """Passed to every vLLM engine of the deployment (a replica's own engine_args win)."""
+    paths: str | None = None
+    """The path mix (`path_mixes`) its clients come over: the router simulates, trains and
+    evaluates with it, and routes on each request's path."""
 
 
 class ModelsFile(Strict):
@@ -252,6 +298,7 @@ class ModelsFile(Strict):
     tiers: dict[str, Tier]
     anonymous_tier: str | None
     api_keys: list[ApiKey] = []
+    path_mixes: dict[str, PathMix] = {}
     deployments: dict[str, DeploymentSpec]
     default_deployment: str
 
@@ -292,6 +339,7 @@ class ModelsFile(Strict):
         for name, dep in self.deployments.items():
             need("placement", dep.placement, self.placements, f"deployments.{name}.placement")
             need("profile", dep.profile, self.profiles, f"deployments.{name}.profile")
+            need("path mix", dep.paths, self.path_mixes, f"deployments.{name}.paths")
             errors += self._simulated(name, dep)
         need("deployment", self.default_deployment, self.deployments, "default_deployment")
         if errors:

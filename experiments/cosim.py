@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from aioquic.quic.configuration import QuicConfiguration
@@ -31,32 +32,24 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataRecei
 from config import Deployment
 from experiments.transport_micro import CONGESTION_CONTROL, QUIC_STACKS, STACKS
 from router.admission import admission_for
-from router.features import ArrivalRateEstimator, FeatureEncoder
-from router.policies import Policy
+from router.features import ArrivalRateEstimator
+from router.paths import END_BYTES, HEAD_BYTES, PROMPT_BYTES_PER_TOKEN, TOKEN_BYTES
+from router.policies import Policy, encoder_for
 from router.sim import DEADLINE, Finished, Job, Simulator
 from router.view import ClusterView
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
 from transport.link import LinkConfig
-from transport.qos import stream_spec
+from transport.qos import StreamDeadline, stream_spec
 from transport.simlink import SimulatedPath
 from workloads import Request
 
-TOKEN_BYTES = 242
-"""One token's SSE event, as the server writes it for a chat stream (a chunk of
-`serving.api`'s shape with a 32-hex id, `opt-6.7b` and a one-word delta is 242 bytes)."""
-HEAD_BYTES = 120
-"""A response's status and headers; a request's headers and JSON envelope besides its prompt."""
-END_BYTES = 14
-"""`data: [DONE]\\n\\n` after the last token."""
 ERROR_BYTES = 160
 """A whole error response (504 at the first-token deadline, 429 at admission)."""
 H2_MAX_STREAMS = 100
 """Requests in flight at once on the HTTP/2 connection: hypercorn's SETTINGS_MAX_CONCURRENT_STREAMS
 (`h2_max_concurrent_streams`), as HTTP/3's MAX_STREAMS (128) holds the QUIC client. Past it a
 request waits at its client, as httpx makes it wait."""
-PROMPT_BYTES_PER_TOKEN = 4.0
-"""Prompt text per token, as `workloads.generate` sizes it."""
 
 
 @dataclass
@@ -127,20 +120,25 @@ class VirtualGateway:
         self.sim = Simulator.from_deployment(deployment)
         self.rate = ArrivalRateEstimator()
         self.admission = admission_for(deployment)
-        self.encoder = FeatureEncoder.for_deployment(deployment)
+        self.encoder = encoder_for(policy, deployment)
 
-    def arrive(self, request: Request, now: float) -> tuple[list[Finished], str | None]:
-        """Route `request`, arrived now. Returns what ended on the way here, and the model it
-        went to (None: shed at the door)."""
+    def arrive(
+        self, request: Request, now: float
+    ) -> tuple[list[Finished], str | None, float | None]:
+        """Route `request`, arrived now (with its client's path as the server measured it).
+        Returns what ended on the way here, the model it went to (None: shed at the door), and
+        when its last token must be written, where the router computed its budget."""
         ended = self.sim.advance(now)
         rate = self.rate.observe(now)
         view = self.admission.check(request, self.sim.view(), now)
         if not isinstance(view, ClusterView):
-            return ended, None
+            return ended, None, None
         obs = self.encoder.encode(view, request, rate)
         replica = view.replica_for(self.policy.choose(obs, request, view))
         self.sim.submit(request, replica)
-        return ended, self.sim.replicas[replica].model
+        left = self.encoder.budget(request)
+        due = None if left is None else now + left.answer_s
+        return ended, self.sim.replicas[replica].model, due
 
 
 class CoSimulation:
@@ -267,10 +265,14 @@ class CoSimulation:
         delivery = self.deliveries[request.request_id]
         delivery.arrived = now
         server = channel.server
-        if isinstance(server, ScheduledQuicConnection) and not channel.shared:
-            qos = self.deployment.qos_classes[request.qos_class]
-            server.set_stream_spec(channel.stream_id, stream_spec(qos, now))
-        ended, model = self.gateway.arrive(request, now)
+        scheduled = isinstance(server, ScheduledQuicConnection) and not channel.shared
+        if scheduled:
+            spec = stream_spec(self.deployment.qos_classes[request.qos_class], now)
+            server.set_stream_spec(channel.stream_id, spec)
+        path = server.path_estimate() if isinstance(server, ScheduledQuicConnection) else None
+        ended, model, due = self.gateway.arrive(replace(request, path=path), now)
+        if scheduled and due is not None:  # one budget for both halves, as the live server
+            StreamDeadline(spec, partial(server.set_stream_spec, channel.stream_id))(due)
         self._ended(ended)
         if model is None:
             self._error(request.request_id, 429)

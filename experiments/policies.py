@@ -46,19 +46,25 @@ def baselines(
 ) -> dict[str, Callable[[], Policy]]:
     """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls), for
     every baseline or those named in `only`. The DQN is `dqn`, else the deployment's own trained
-    policy, else router/policies/<deployment>.npz; it is left out if there is none."""
+    policy, else router/policies/<deployment>.npz; it is left out if there is none. `dqn-net`
+    is the deployment's network-aware DQN (`policy.net_path`), where it has one."""
     wanted = set(only) if only is not None else None
 
     def want(name: str) -> bool:
         return wanted is None or name in wanted
 
     policies: dict[str, Callable[[], Policy]] = {}
-    own = deployment.policy.path if deployment.policy.name == "dqn" else None
+    own = deployment.policy_file if deployment.policy.name == "dqn" else None
     dqn = dqn or (Path(own) if own else DEFAULT_POLICY_DIR / f"{deployment.name}.npz")
     if want("dqn") and dqn.exists():
         trained = DqnPolicy.load(dqn)
         trained.check_fits(deployment)
         policies["dqn"] = lambda: trained
+    net = deployment.policy.net_path if deployment.policy.name == "dqn" else None
+    if want("dqn-net") and net is not None and Path(net).exists():
+        aware = DqnPolicy.load(net)
+        aware.check_fits(deployment)
+        policies["dqn-net"] = lambda: aware
     if want("threshold"):
         thresholds = tuned_thresholds(deployment, results)
         policies["threshold"] = lambda: QualityThreshold(deployment.quality, 32, thresholds)

@@ -24,6 +24,12 @@ Admission control runs before the policy, as in the gateway: a request that the 
 (`router.admission`) sheds is never a step. It ends at once with outcome "shed" and reward 0, in
 `finished` like every other request, and the policy sees the next request that is let in.
 
+Where the deployment names a path mix, each request's client is on a path drawn from it, with a
+generator of its own (`router.paths.ClientPaths`), so that the workload's arrivals and contents
+are the same with paths as without. The request carries the path's estimate, as a live one
+carries what the transport measured, and its answer is delivered over the path
+(`router.paths.PathModel`): the SLO is met or missed at the client.
+
 An episode is a fixed number of requests from one workload drawn at reset; it ends truncated,
 never terminated, because the cluster runs on past it.
 """
@@ -31,7 +37,7 @@ never terminated, because the cluster runs on past it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -40,7 +46,8 @@ import numpy as np
 from config import Deployment
 from router.admission import Admission, admission_for
 from router.features import ArrivalRateEstimator, FeatureEncoder
-from router.sim import SHED, Finished, Simulator
+from router.paths import ClientPaths, PathDraw
+from router.sim import DEFAULT_PROMPT_TOKENS, OK, SHED, Finished, Simulator
 from router.view import ClusterView
 from workloads import Request
 from workloads.arrivals import ArrivalProcess, Poisson, SwitchingRate
@@ -84,10 +91,12 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         simulator: Callable[[], Simulator] | None = None,
         credit: Literal["finish", "request"] = "finish",
         admission: Admission | None = None,
+        encoder: FeatureEncoder | None = None,
     ) -> None:
         """`workloads` draws each episode's workload (default: RandomRates over the deployment's
         classes); `simulator` builds a fresh simulator per episode (default: the deployment's);
-        `admission` decides what is shed (default: the deployment's rule)."""
+        `admission` decides what is shed (default: the deployment's rule); `encoder` builds the
+        observations (default: the deployment's layout)."""
         self.deployment = deployment
         self.workloads = workloads or RandomRates(classes=tuple(deployment.qos_classes))
         self.episode_requests = episode_requests
@@ -98,7 +107,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self._routed_at: dict[str, int] = {}
         self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
         self.admission = admission or admission_for(deployment)
-        self.encoder = FeatureEncoder.for_deployment(deployment)
+        self.encoder = encoder or FeatureEncoder.for_deployment(deployment)
         self.models = deployment.models
         n_actions = len(self.models) if action == "model" else len(deployment.replicas)
         self.action_space = gym.spaces.Discrete(n_actions)
@@ -109,6 +118,9 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         """The current request's view, as admission control let it in."""
         self.finished: list[Finished] = []
         """Every request finished this episode, for evaluation."""
+        self.paths: ClientPaths | None = None
+        """This episode's clients' paths, where the deployment names a mix."""
+        self._draws: dict[str, PathDraw] = {}
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -125,6 +137,9 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.rate = ArrivalRateEstimator()
         self.finished = []
         self._routed_at = {}
+        mix = self.deployment.paths
+        self.paths = ClientPaths(mix, workload_seed) if mix is not None else None
+        self._draws = {}
         self._requests: Iterator[Request] = requests(spec, workload_seed, duration, limit)
         obs = self._arrive()
         if obs is None:
@@ -148,7 +163,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
     def drain(self) -> list[Finished]:
         """After the last step: run the requests still in flight to the end (for evaluation)."""
         assert self.sim is not None
-        done = self.sim.drain()
+        done = self._delivered(self.sim.drain())
         self.finished += done
         return done
 
@@ -164,15 +179,37 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         """Move to the next request that is let in; its observation, or None at the end."""
         assert self.sim is not None
         for request in self._requests:
-            self.finished += self.sim.advance(request.arrival)
+            self.finished += self._delivered(self.sim.advance(request.arrival))
+            if self.paths is not None:
+                draw = self._draws[request.request_id] = self.paths.draw()
+                request = replace(request, path=self.paths.estimates[draw.name])
             # Shed requests count in the rate, as in the gateway, which observes before it sheds.
             rate = self.rate.observe(request.arrival)
             admitted = self.admission.check(request, self.sim.view(), request.arrival)
             if isinstance(admitted, ClusterView):
                 self.request, self._admitted = request, admitted
                 return self.encoder.encode(admitted, request, rate)
+            self._draws.pop(request.request_id, None)
             self.finished.append(Finished.shed(request))
         return None
+
+    def _delivered(self, done: list[Finished]) -> list[Finished]:
+        """`done`, each answer delivered over its client's path where paths are modelled."""
+        if self.paths is None:
+            return done
+        for f in done:
+            draw = self._draws.pop(f.request.request_id)
+            if f.outcome != OK or f.first_token is None:
+                continue
+            network = self.paths.sample(
+                draw,
+                f.request.prompt_tokens or DEFAULT_PROMPT_TOKENS,
+                f.first_token - f.arrival,
+                f.last_token - f.arrival,
+                f.output_tokens,
+            )
+            f.delivered(network, self.deployment.slo)
+        return done
 
     def _credit(
         self, done: list[Finished], step: int, truncated: bool

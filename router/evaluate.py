@@ -14,7 +14,7 @@ import numpy as np
 
 from config import Deployment
 from router.env import RandomRates, RoutingEnv
-from router.policies import Policy, QualityThreshold
+from router.policies import Policy, QualityThreshold, encoder_for
 from router.sim import DEADLINE, OK, SHED, Finished, Simulator
 from workloads.generate import WorkloadSpec
 from workloads.metrics import Outcome
@@ -30,7 +30,9 @@ def simulate(
     simulator: Callable[[], Simulator] | None = None,
 ) -> list[Finished]:
     """Every request of the workload, routed by `policy` and run to its end."""
-    env = RoutingEnv(deployment, action="replica", simulator=simulator)
+    env = RoutingEnv(
+        deployment, action="replica", simulator=simulator, encoder=encoder_for(policy, deployment)
+    )
     options = {"workload": spec, "seed": seed, "duration": duration, "requests": requests}
     obs, _ = env.reset(seed=seed, options={k: v for k, v in options.items() if v is not None})
     truncated = False

@@ -11,8 +11,18 @@ import math
 import numpy as np
 
 from config import Deployment
+from router.admission import OUTPUT_TOKENS_WITHOUT_MAX, assumed_output_tokens
+from router.paths import Budget, budget, spent
+from router.sim import DEFAULT_PROMPT_TOKENS
 from router.view import ClusterView
 from workloads import Request
+
+RTT_SCALE_S = 0.1
+"""A path's RTT enters the observation in tenths of a second..."""
+LOSS_SCALE = 0.1
+"""...and its loss in tenths; both capped at `PATH_CAP`, so that no measurement, however wild,
+takes the network far outside what it was trained on."""
+PATH_CAP = 10.0
 
 
 class ArrivalRateEstimator:
@@ -45,7 +55,16 @@ class ArrivalRateEstimator:
 
 class FeatureEncoder:
     """obs = [running requests per replica / batch_scale] + one-hot(task) + [rate / rate_scale]
-    + one-hot(QoS class). An unknown or missing task encodes as all zeros."""
+    + one-hot(QoS class), and, for a network-aware layout (`paths`), the request's path and
+    what it takes of the request's budget: [RTT, loss, first-token budget taken, SLO budget
+    taken]. An unknown or missing task encodes as all zeros.
+
+    The budget taken (`router.paths.budget`) is a share: of the class's first-token deadline
+    that the first token's expected delivery (and the time already spent) takes, and of the
+    SLO's time for the whole answer that the request's way up and the last token's way down
+    take; capped to [0, 2]. A perfect path encodes as zeros, and so does a request with no path
+    known: knowing nothing costs nothing, and a network-aware network that starts from a blind
+    one (`router.train --init-from`) sees, on such a path, what the blind one saw."""
 
     def __init__(
         self,
@@ -54,22 +73,42 @@ class FeatureEncoder:
         qos_classes: list[str],
         batch_scale: float = 32.0,
         rate_scale: float = 48.0,
+        paths: dict[str, float] | None = None,
+        tpot_s: float = 0.04,
     ) -> None:
+        """`paths`: QoS class -> first-token deadline, for a network-aware layout (None: the
+        network-blind one); `tpot_s`: the SLO's time per output token."""
         self.replicas = list(replicas)
         self.tasks = {t: i for i, t in enumerate(tasks)}
         self.qos_classes = {c: i for i, c in enumerate(qos_classes)}
         self.batch_scale = batch_scale
         self.rate_scale = rate_scale
+        self.deadlines = paths
+        self.tpot_s = tpot_s
         self.size = len(self.replicas) + len(self.tasks) + 1 + len(self.qos_classes)
+        self.path_at = self.size
+        if paths is not None:
+            self.size += 4
 
     @classmethod
     def for_deployment(cls, deployment: Deployment) -> FeatureEncoder:
-        """The one layout for a deployment, built the same by the simulator and the gateway."""
+        """The one layout for a deployment, built the same by the simulator and the gateway:
+        network-aware where its clients come over a path mix."""
+        deadlines = None
+        if deployment.paths is not None:
+            deadlines = {n: c.deadline_s for n, c in deployment.qos_classes.items()}
         return cls(
-            [r.name for r in deployment.replicas], deployment.tasks, list(deployment.qos_classes)
+            [r.name for r in deployment.replicas],
+            deployment.tasks,
+            list(deployment.qos_classes),
+            paths=deadlines,
+            tpot_s=deployment.slo.tpot_s,
         )
 
-    def encode(self, view: ClusterView, request: Request, rate: float) -> np.ndarray:
+    def encode(
+        self, view: ClusterView, request: Request, rate: float, elapsed_s: float = 0.0
+    ) -> np.ndarray:
+        """`elapsed_s`: since the request arrived at the server."""
         obs = np.zeros(self.size, dtype=np.float32)
         n = len(self.replicas)
         for i, replica in enumerate(view.replicas):
@@ -80,4 +119,36 @@ class FeatureEncoder:
         obs[at] = rate / self.rate_scale
         if request.qos_class in self.qos_classes:
             obs[at + 1 + self.qos_classes[request.qos_class]] = 1.0
+        if self.deadlines is not None:
+            self._encode_path(obs, request, elapsed_s)
         return obs
+
+    def budget(self, request: Request, elapsed_s: float = 0.0) -> Budget | None:
+        """The request's remaining budget, `elapsed_s` after its arrival at the server, as the
+        network-aware layout sees it (None: a network-blind layout computes none)."""
+        if self.deadlines is None:
+            return None
+        deadline = self.deadlines.get(request.qos_class, math.inf)
+        tokens = max(1, assumed_output_tokens(request))
+        prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
+        return budget(request.path, deadline, self.tpot_s, tokens, prompt, elapsed_s)
+
+    def _encode_path(self, obs: np.ndarray, request: Request, elapsed_s: float) -> None:
+        # The hot path of every network-aware decision (issue 17 allows it 10 us at p99): the
+        # shares come straight from `router.paths.spent`, not through a `Budget`, and what
+        # `_taken` and `assumed_output_tokens` do is written out.
+        deadline = self.deadlines.get(request.qos_class, math.inf)  # type: ignore[union-attr]
+        tokens = request.max_tokens
+        tokens = OUTPUT_TOKENS_WITHOUT_MAX if tokens is None else max(1, tokens)
+        path = request.path
+        first, answer = spent(
+            path, request.prompt_tokens or DEFAULT_PROMPT_TOKENS, tokens, self.tpot_s, elapsed_s
+        )
+        first, answer = first / deadline, answer / (self.tpot_s * tokens)
+        rtt, loss = (path.rtt_s / RTT_SCALE_S, path.loss / LOSS_SCALE) if path else (0.0, 0.0)
+        obs[self.path_at : self.path_at + 4] = (
+            rtt if rtt < PATH_CAP else PATH_CAP,
+            loss if loss < PATH_CAP else PATH_CAP,
+            0.0 if first < 0 else 2.0 if first > 2 else first,
+            0.0 if answer < 0 else 2.0 if answer > 2 else answer,
+        )

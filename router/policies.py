@@ -204,9 +204,12 @@ class DqnPolicy:
             meta["qos_classes"],
             meta.get("batch_scale", 32.0),
             meta.get("rate_scale", 48.0),
+            meta.get("path_deadlines"),
+            meta.get("tpot_s", 0.04),
         )
         """The observation layout it was trained on; the gateway encodes with this one, so a task
-        or class added to models.yaml later reaches the network as "none of those it knows"."""
+        or class added to models.yaml later reaches the network as "none of those it knows". A
+        network-aware policy (trained with a path mix) adds its requests' paths and budgets."""
 
     def q_values(self, obs: np.ndarray) -> np.ndarray:
         x = obs
@@ -251,10 +254,17 @@ class DqnPolicy:
                 )
 
 
+def encoder_for(policy: Policy, deployment: Deployment) -> FeatureEncoder:
+    """The observation layout to route `policy` with: a trained policy brings the one it learned
+    on (network-blind or network-aware), the others take the deployment's."""
+    own = getattr(policy, "encoder", None)
+    return own if isinstance(own, FeatureEncoder) else FeatureEncoder.for_deployment(deployment)
+
+
 def _dqn(deployment: Deployment) -> DqnPolicy:
-    if deployment.policy.path is None:
+    if deployment.policy_file is None:
         raise ValueError(f"deployment {deployment.name!r}: policy dqn needs a path")
-    policy = DqnPolicy.load(deployment.policy.path)
+    policy = DqnPolicy.load(deployment.policy_file)
     policy.check_fits(deployment)
     return policy
 

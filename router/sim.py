@@ -29,6 +29,7 @@ import numpy as np
 
 from config import Deployment, Slo
 from config.schema import ProfileModel
+from router.paths import NetworkTime
 from router.view import ClusterView, ReplicaState
 from workloads import Request
 
@@ -55,7 +56,18 @@ class Finished:
     """When it ended, however it did."""
     output_tokens: int
     slo_met: bool
+    """At the client where its path is modelled (`network`), else at the server."""
     outcome: str = OK
+    network: NetworkTime | None = None
+    """Its time on its client's network path, where the simulation models one."""
+
+    def delivered(self, network: NetworkTime, slo: Slo) -> None:
+        """Over its client's path: the SLO is met or missed at the client, from its sending
+        to the last token's arrival there."""
+        self.network = network
+        if self.outcome == OK:
+            at_client = network.uplink_s + self.last_token - self.arrival + network.last_s
+            self.slo_met = slo.met(at_client, self.output_tokens)
 
     @classmethod
     def shed(cls, request: Request) -> Finished:

@@ -216,6 +216,45 @@ class BestPolicy(BaseCallback):
         self.logger.record("eval/validation_reward", reward)
 
 
+def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: bool) -> None:
+    """Put a trained policy's network into `model` (online and target): the inputs the policy
+    lacks get zero weights, so that the model starts out routing exactly as it does. This is how
+    the network-aware router starts from the network-blind one, whose layout is a prefix of its
+    own.
+
+    With `only_new`, training then changes only the weights of those new inputs: the rest of the
+    network stays the policy's. The network-aware layout encodes a perfect path as zeros
+    (`router.features`), so on such a path the model routes as the policy does, however long it
+    trains: knowing the network costs nothing where it does not matter."""
+    policy.check_fits(deployment)
+    linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
+    shapes = [tuple(m.weight.shape) for m in linears]
+    if len(linears) != len(policy.layers) or any(
+        w.shape[0] != shape[0] or w.shape[1] > shape[1]
+        for (w, _), shape in zip(policy.layers, shapes, strict=True)
+    ):
+        raise SystemExit(f"--init-from: its layers {[w.shape for w, _ in policy.layers]} do not "
+                         f"fit the model's {shapes}")  # fmt: skip
+    with th.no_grad():
+        for linear, (w, b) in zip(linears, policy.layers, strict=True):
+            linear.weight.zero_()
+            linear.weight[:, : w.shape[1]] = th.from_numpy(w)
+            linear.bias.copy_(th.from_numpy(b))
+    model.q_net_target.load_state_dict(model.q_net.state_dict())
+    if not only_new:
+        return
+    known = policy.layers[0][0].shape[1]
+    for parameter in model.q_net.parameters():
+        parameter.requires_grad_(parameter is linears[0].weight)
+
+    def new_inputs_only(grad: th.Tensor) -> th.Tensor:
+        grad = grad.clone()
+        grad[:, :known] = 0  # Adam moves a weight whose gradients are all zero not at all
+        return grad
+
+    linears[0].weight.register_hook(new_inputs_only)
+
+
 def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
     return RoutingEnv(
         deployment,
@@ -242,7 +281,12 @@ def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, 
             "qos_classes": list(encoder.qos_classes),
             "batch_scale": encoder.batch_scale,
             "rate_scale": encoder.rate_scale,
-        },
+        }
+        | (
+            {"path_deadlines": encoder.deadlines, "tpot_s": encoder.tpot_s}
+            if encoder.deadlines is not None
+            else {}
+        ),
     )
 
 
@@ -303,6 +347,8 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
             tensorboard_log=str(args.logdir / "tensorboard"),
             **hyperparameters,
         )
+        if args.init_from is not None:
+            start_from(model, DqnPolicy.load(args.init_from), deployment, args.only_new_inputs)
     curve_file = args.logdir / "learning-curve.json"
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
@@ -365,6 +411,7 @@ def _meta(
     """What a saved policy says about the run that made it."""
     return {
         "deployment": deployment.name,
+        "path_mix": deployment.path_mix,
         "steps": int(steps),
         "seed": args.seed,
         "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
@@ -387,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", type=Path, default=DEFAULT_PATH, help="models.yaml path")
     parser.add_argument("--deployment", default="paper-4gpu", help="needs a latency profile")
+    parser.add_argument(
+        "--paths",
+        metavar="MIX",
+        help="train the network-aware router: clients on models.yaml's path mix MIX (default: "
+        "the deployment's own mix, if it names one)",
+    )
     parser.add_argument("--steps", type=int, default=1_200_000, help="total training steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--action", choices=["model", "replica"], default="model")
@@ -402,6 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="default: router/policies/<deployment>.npz")
     parser.add_argument("--logdir", type=Path, help="default: results/router/<deployment>")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="NPZ",
+        help="start from a trained policy's network (the network-blind one, for --paths); "
+        "inputs it lacks start at zero weight",
+    )
+    parser.add_argument(
+        "--only-new-inputs",
+        action="store_true",
+        help="with --init-from: train only the weights of the inputs that policy lacks",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=100_000, help="0: never")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -423,7 +488,7 @@ def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
     try:
-        deployment = load_deployment(args.config, args.deployment)
+        deployment = load_deployment(args.config, args.deployment, args.paths)
     except ConfigError as exc:
         parser.error(str(exc))
     if deployment.profile is None:
@@ -431,8 +496,9 @@ def main() -> int:
     if args.steps <= 0 or args.episode_requests <= 0 or not 0 < args.min_rate <= args.max_rate:
         parser.error("--steps, --episode-requests > 0 and 0 < --min-rate <= --max-rate, please")
     package = Path(__file__).resolve().parent
-    args.out = args.out or package / "policies" / f"{deployment.name}.npz"
-    args.logdir = args.logdir or Path("results") / "router" / deployment.name
+    name = deployment.name + ("-net" if deployment.paths is not None else "")
+    args.out = args.out or package / "policies" / f"{name}.npz"
+    args.logdir = args.logdir or Path("results") / "router" / name
     policy = pick_checkpoint(args, deployment) if args.pick_best else train(args, deployment)
     print(
         f"wrote {args.out} (step {policy.meta['selected_step']} of {policy.meta['steps']}, "

@@ -28,6 +28,12 @@ def main() -> int:
     )
     parser.add_argument("--policy", choices=sorted(POLICIES), help="override the deployment's")
     parser.add_argument(
+        "--paths",
+        metavar="MIX",
+        help="the path mix of models.yaml that the clients come over: routes with the "
+        "deployment's network-aware policy (policy.net_path), where it names one",
+    )
+    parser.add_argument(
         "--admission",
         choices=["deadline", "none"],
         help="override the deployment's admission control: deadline sheds (429) what no replica "

@@ -31,7 +31,7 @@ from serving.protocol import (
 )
 from transport.drain import Drain
 from transport.http3 import ResponseNotDelivered
-from transport.qos import QosRejected, RequestTag, tag_of
+from transport.qos import DEADLINE, QosRejected, RequestTag, path_of, tag_of
 from workloads import Message
 from workloads import Request as LlmRequest
 
@@ -203,6 +203,7 @@ def _replay(first: dict[str, Any], receive: Receive) -> Receive:
 def record_of(scope: Scope) -> RequestRecord:
     """A request's account as it reached the app: its tag, and the protocol it came over."""
     tag = _tag(scope)
+    path = path_of(scope)
     return RequestRecord(
         tag.request_id,
         tag.qos_class,
@@ -210,6 +211,8 @@ def record_of(scope: Scope) -> RequestRecord:
         tier=tag.tier,
         via_edge=tag.via_edge,
         protocol=scope.get("http_version"),
+        client_rtt_s=None if path is None else round(path.rtt_s, 6),
+        client_loss=None if path is None else round(path.loss, 6),
     )
 
 
@@ -237,11 +240,15 @@ async def _serve(
         max_tokens=body.max_tokens,
         qos_class=tag.qos_class,
         task=body.task,
+        path=path_of(raw.scope),
     )
+    deadline = raw.scope["extensions"].get(DEADLINE)
     # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
     generation = await _unless_disconnected(
         raw.receive,
-        gateway.start(request, body.sampling(), body.model, record_of(raw.scope), tag.api_key),
+        gateway.start(
+            request, body.sampling(), body.model, record_of(raw.scope), tag.api_key, deadline
+        ),
         abandon=lambda g: g.aclose(),
     )
     headers = {

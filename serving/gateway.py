@@ -16,8 +16,8 @@ from typing import NamedTuple, NoReturn
 
 from config import Deployment, Limits
 from router.admission import Admission, Expected, Shed, admission_for, assumed_output_tokens
-from router.features import ArrivalRateEstimator, FeatureEncoder
-from router.policies import Policy
+from router.features import ArrivalRateEstimator
+from router.policies import Policy, encoder_for
 from router.view import ClusterView
 from serving import metrics as outcomes
 from serving.engines.base import (
@@ -127,10 +127,7 @@ class Gateway:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        # A trained policy brings the layout it learned on; the others take the deployment's.
-        self.encoder: FeatureEncoder = getattr(policy, "encoder", None) or (
-            FeatureEncoder.for_deployment(deployment)
-        )
+        self.encoder = encoder_for(policy, deployment)
         self.rate = ArrivalRateEstimator()
         self.limiter = KeyLimiter(self._limits_of)
         self.admission = admission or admission_for(deployment)
@@ -142,10 +139,14 @@ class Gateway:
         model: str = AUTO,
         record: RequestRecord | None = None,
         api_key: str | None = None,
+        deadline: Callable[[float], None] | None = None,
     ) -> Generation:
         """Dispatch `request` and wait for its first token. `record` is its account so far (the
         API's: how it arrived); the gateway and the generation fill in the rest. `api_key` (None:
-        anonymous) is held to its limits until the request ends.
+        anonymous) is held to its limits until the request ends. `deadline`, where the transport
+        schedules the response stream, takes the time by which its last token must be written:
+        the budget the router computed over the client's path, where it computed one (one
+        budget for both halves; the transport never lets it move earlier than the class's own).
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
         that turns out to be down before producing anything is skipped, and the next choice tried.
@@ -177,6 +178,8 @@ class Gateway:
                 self.limiter.release(api_key)
                 self._refuse(record, model, exc)
             record.routed = self.clock()
+            if deadline is not None and (left := self.encoder.budget(request)) is not None:
+                deadline(request.arrival + left.answer_s)
             generation = Generation(
                 self,
                 request,
@@ -279,7 +282,7 @@ class Gateway:
         if model != AUTO:
             index = view.least_loaded(model)
         else:
-            obs = self.encoder.encode(view, request, rate)
+            obs = self.encoder.encode(view, request, rate, self.clock() - request.arrival)
             index = view.replica_for(self.policy.choose(obs, request, view))
             self.metrics.route.observe(time.perf_counter() - started)
         assert index is not None

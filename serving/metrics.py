@@ -78,6 +78,10 @@ class RequestRecord:
     replica: str | None = None
     prompt_tokens: int = 0
     tokens: int = 0
+    client_rtt_s: float | None = None
+    """The client's path as the router saw it (`transport.qos.path_of`): its smoothed RTT..."""
+    client_loss: float | None = None
+    """...and the share of packets lost to it so far."""
 
     @property
     def tpot_s(self) -> float | None:
@@ -108,6 +112,8 @@ class RequestRecord:
                 "e2e_s": span(self.arrival, self.last_token),
                 "prompt_tokens": self.prompt_tokens,
                 "tokens": self.tokens,
+                "client_rtt_s": self.client_rtt_s,
+                "client_loss": self.client_loss,
                 "outcome": outcome,
                 "slo_met": slo_met,
             },
@@ -192,6 +198,14 @@ class Metrics:
             "The router's arrival-rate estimate (req/s), as the latest request saw it.",
             registry=self.registry,
         )
+        self.client_rtt = Histogram(
+            "serving_client_rtt_seconds",
+            "The smoothed RTT of each request's client path, as the server measured it (QUIC's "
+            "recovery state, TCP_INFO) or a trusted edge forwarded it.",
+            ["protocol"],
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
+        )
         self.route = Histogram(
             "serving_route_seconds",
             "Time the router took to choose a replica: live view, features and policy.",
@@ -232,6 +246,8 @@ class Metrics:
                 self.tpot.labels(cls, model).observe(tpot)
             if slo_met:
                 self.slo_met.labels(cls, model).inc()
+        if record.client_rtt_s is not None:
+            self.client_rtt.labels(record.protocol or "none").observe(record.client_rtt_s)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info(record.line(outcome, slo_met))
 

@@ -345,8 +345,12 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
     servers["remote"].request_log = remote_log
     for name in ("embedded-sim", "saturable"):
         port, log = free_port(), session_dir / f"{name}-requests.jsonl"
-        command = serving_command(config, name, port, "--h3-port", "0", "--request-log", str(log))
-        servers[name] = launch(name, command, port, "/readyz", session_dir)
+        # The twin's HTTP/3 port is known, for tests over QUIC; the other's needs none.
+        h3 = free_udp_port() if name == "embedded-sim" else 0
+        command = serving_command(
+            config, name, port, "--h3-port", str(h3), "--request-log", str(log)
+        )
+        servers[name] = launch(name, command, port, "/readyz", session_dir, h3_port=h3 or None)
         servers[name].request_log = log
     yield servers
     for server in servers.values():

@@ -34,7 +34,7 @@ from workloads.chat import chat_body, chat_h3
 LOG_FIELDS = {
     "request_id", "qos_class", "tier", "via_edge", "protocol", "model", "replica", "arrival",
     "queue_s", "route_s", "engine_ttft_s", "ttft_s", "e2e_s", "prompt_tokens", "tokens",
-    "outcome", "slo_met",
+    "outcome", "slo_met", "client_rtt_s", "client_loss",
 }  # fmt: skip
 
 
@@ -109,7 +109,8 @@ def test_the_edge_forwards_the_clients_arrival(frontend: Server, server: Server)
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n"
         "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nx-edge-age: 300\r\nx-edge-key: guess\r\n\r\n"
+        f"content-length: {len(body)}\r\nx-edge-age: 300\r\nx-edge-key: guess\r\n"
+        "x-edge-path: rtt=2.5; loss=0.3\r\n\r\n"
     )
     with socket.create_connection(("127.0.0.1", frontend.port), timeout=60) as sock:
         sock.sendall(head.encode())
@@ -126,6 +127,9 @@ def test_the_edge_forwards_the_clients_arrival(frontend: Server, server: Server)
     # back-end got it; and not 300 s earlier, as the client's own x-edge-* headers claimed.
     assert line["via_edge"] and line["protocol"] == "3"
     assert 1.0 <= line["queue_s"] < 30
+    # The client's path is the edge's measurement of it (loopback, TCP_INFO), not the one the
+    # client claimed in the edge's header, which the edge drops.
+    assert line["client_rtt_s"] < 0.05 and line["client_loss"] == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        deployment = load_deployment(args.config, args.deployment)
+        deployment = load_deployment(args.config, args.deployment, getattr(args, "paths", None))
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
     if bool(args.cert) != bool(args.key):

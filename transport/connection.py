@@ -31,8 +31,11 @@ from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent
+from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.recovery import QuicPacketRecovery
 from aioquic.quic.stream import QuicStream
 
+from config.paths import PathEstimate
 from transport.schedulers import DEFAULT_SPEC, Scheduler, StreamSpec, make_scheduler
 
 EXPIRED_ERROR = ErrorCode.H3_REQUEST_CANCELLED
@@ -47,10 +50,45 @@ class StreamExpired(QuicEvent):
     stream_id: int
 
 
+class CountingRecovery(QuicPacketRecovery):
+    """aioquic's loss recovery, counting the packets it sends in flight and those it declares
+    lost (by ACKs, or at a probe timeout), for the path estimate: aioquic keeps no such count."""
+
+    sent_in_flight = 0
+    lost = 0
+
+    def on_packet_sent(self, *, packet: QuicSentPacket, space: Any) -> None:
+        super().on_packet_sent(packet=packet, space=space)
+        if packet.in_flight:
+            self.sent_in_flight += 1
+
+    def _on_packets_lost(self, *, packets: Any, **kwargs: Any) -> None:
+        packets = list(packets)
+        self.lost += sum(1 for packet in packets if packet.in_flight)
+        super()._on_packets_lost(packets=packets, **kwargs)
+
+
 class ScheduledQuicConnection(QuicConnection):
     def __init__(self, *args: Any, scheduler: Scheduler | str = "rr", **kwargs: Any) -> None:
         self._init_scheduling(scheduler)
         super().__init__(*args, **kwargs)
+        self._loss.__class__ = CountingRecovery
+
+    def path_estimate(self) -> PathEstimate | None:
+        """The peer's path as this connection has measured it so far: smoothed RTT and its
+        variation, the share of packets sent that were lost, and the rate the congestion window
+        allows (window / RTT); None before the first RTT sample."""
+        loss = self._loss
+        if not loss._rtt_initialized:  # aioquic's recovery state, which has no accessors
+            return None
+        sent = getattr(loss, "sent_in_flight", 0)
+        lost = getattr(loss, "lost", 0)
+        return PathEstimate(
+            loss._rtt_smoothed,
+            loss._rtt_variance,
+            lost / sent if sent else 0.0,
+            loss.congestion_window * 8 / max(loss._rtt_smoothed, 1e-6),
+        ).clamped()
 
     def _init_scheduling(self, scheduler: Scheduler | str) -> None:
         self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
@@ -243,6 +281,7 @@ def adopt(connection: QuicConnection, scheduler: Scheduler | str) -> ScheduledQu
         raise ValueError("adopt() needs a connection that has no streams yet")
     del connection.__dict__["_streams_queue"]
     connection.__class__ = ScheduledQuicConnection
+    connection._loss.__class__ = CountingRecovery
     assert isinstance(connection, ScheduledQuicConnection)
     connection._init_scheduling(scheduler)
     return connection

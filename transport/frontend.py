@@ -7,9 +7,11 @@ scheduler decides whose bytes go first, in both directions: this side orders the
 back-end orders the responses.
 
 The edge tags each request as it arrives here (`transport.qos`), and forwards the tag: the
-request's age, class, tier and id, in `x-edge-*` headers with the edge's key. The back-end keeps
-them only if that key's tier is `trusted_edge`, so its deadline, TTFT and SLO run from the
-client's arrival here; otherwise it classifies and times the request itself. The headers a client
+request's age, class, tier and id, and what the edge measured of the client's network path, in
+`x-edge-*` headers with the edge's key. The back-end keeps them only if that key's tier is
+`trusted_edge`, so its deadline, TTFT and SLO run from the client's arrival here and it routes on
+the client's path, not the edge's; otherwise it classifies, times and measures the request
+itself. The headers a client
 sends under those names are dropped, whoever the client is.
 
 A client that goes away resets its forwarded stream, which the back-end sees as a disconnect and
@@ -31,7 +33,7 @@ from typing import Any
 from transport.client import Http3Client, Response, StreamError
 from transport.eloquent import HEADER as ELOQUENT_HEADER
 from transport.http3 import DATAGRAMS, DatagramTap
-from transport.qos import EDGE_HEADERS, tag_of
+from transport.qos import EDGE_HEADERS, path_of, tag_of
 from transport.schedulers import StreamSpec
 
 logger = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ class EdgeProxy:
         if scope.get("query_string"):
             path += b"?" + scope["query_string"]
         if self.edge_key is not None:
-            headers.update(tag.forwarded(time.monotonic(), self.edge_key))
+            headers.update(tag.forwarded(time.monotonic(), self.edge_key, path_of(scope)))
         try:
             response = await self.pool.request(
                 scope["method"],

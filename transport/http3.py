@@ -17,7 +17,9 @@ handling. This module adds exactly those:
   all of it, FIN included, and raises `ResponseNotDelivered` if the stream is reset first, so
   that an app never counts as delivered a response its client saw cut short.
 Each request is tagged once, when its HEADERS arrive, by `tag(headers, now)`: the tag's stream spec
-goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`.
+goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`, with
+what the connection has measured of the client's path (`qos.PATH`) and a way to move the response
+stream's deadline (`qos.DEADLINE`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -60,7 +63,7 @@ from transport.eloquent import HEADER as ELOQUENT_HEADER
 from transport.eloquent.driver import datagram_sender
 from transport.eloquent.sse import SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
-from transport.qos import TAG, Tagger
+from transport.qos import DEADLINE, PATH, TAG, StreamDeadline, Tagger
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +297,12 @@ class _Http3Protocol(CoalescingProtocol):
             named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
             tag = extensions[TAG] = self._settings.tag(named, time.monotonic())
             self.quic.set_stream_spec(event.stream_id, tag.spec)
+            extensions[DEADLINE] = StreamDeadline(
+                tag.spec, partial(self.quic.set_stream_spec, event.stream_id)
+            )
+        path = self.quic.path_estimate()
+        if path is not None:
+            extensions[PATH] = path
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},

@@ -15,6 +15,12 @@ server began to parse the request). The result, a `RequestTag`, reaches the app 
 scope, so the app's deadline, TTFT and SLO all run from the real arrival, and nothing classifies
 again. Behind an edge front-end, the edge forwards its own tag in `x-edge-*` headers; the back-end
 keeps it only when they come with the key of a `trusted_edge` tier.
+
+What the server measured of the client's network path (`config.paths.PathEstimate`) reaches the
+app beside the tag, in `scope["extensions"][PATH]`: the QUIC connection's recovery state for
+HTTP/3, the socket's `TCP_INFO` for HTTP/1.1 and HTTP/2. Behind an edge, the edge's own
+measurement of its client's path comes in `x-edge-path`, kept only with the edge's key as the
+rest of its tag. Never a client's word: `path_of` reads the one to route on.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from config import Deployment, QosClass, Tier
+from config.paths import PathEstimate
 from transport.schedulers import StreamSpec
 
 TAG = "qos"
@@ -35,6 +42,13 @@ TAG = "qos"
 ARRIVAL = "arrival"
 """The key under which an HTTP server may stamp, in `scope["extensions"]`, the time.monotonic() at
 which it began to read a request, when that is earlier than the app sees it."""
+
+PATH = "qos.path"
+"""The key, in `scope["extensions"]`, of the `PathEstimate` the server measured of the request's
+client as the request arrived (absent where it could not)."""
+DEADLINE = "qos.deadline"
+"""The key, in `scope["extensions"]`, of a callable that moves the response stream's scheduling
+deadline (`StreamDeadline`), where the server schedules streams (HTTP/3)."""
 
 EDGE_KEY = "x-edge-key"
 """The edge's own key (a key of a `trusted_edge` tier), beside the client's Authorization."""
@@ -45,7 +59,9 @@ EDGE_CLASS = "x-edge-qos-class"
 EDGE_TIER = "x-edge-tier"
 EDGE_REQUEST_ID = "x-edge-request-id"
 """The edge's name for the request, kept by the back-end, so both log it under one id."""
-EDGE_HEADERS = (EDGE_KEY, EDGE_AGE, EDGE_CLASS, EDGE_TIER, EDGE_REQUEST_ID)
+EDGE_PATH = "x-edge-path"
+"""The edge's measurement of its client's path: `rtt=S; rttvar=S; loss=F[; rate=BPS]`."""
+EDGE_HEADERS = (EDGE_KEY, EDGE_AGE, EDGE_CLASS, EDGE_TIER, EDGE_REQUEST_ID, EDGE_PATH)
 _MAX_EDGE_AGE_S = 3600.0
 _REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -88,9 +104,14 @@ class RequestTag:
     `x-request-id` when it sends a well-formed one, else a fresh one."""
     api_key: str | None = field(default=None, repr=False)
     """The known API key the request came with (limits are per key); None: anonymous."""
+    path: PathEstimate | None = None
+    """The client's path as a trusted edge measured it (`via_edge` only)."""
 
-    def forwarded(self, now: float, edge_key: str) -> dict[str, str]:
-        """The headers that carry this tag to a back-end, as an edge sends them at `now`."""
+    def forwarded(
+        self, now: float, edge_key: str, path: PathEstimate | None = None
+    ) -> dict[str, str]:
+        """The headers that carry this tag, and `path` (what this edge measured of the client's
+        path), to a back-end, as an edge sends them at `now`."""
         headers = {
             EDGE_KEY: edge_key,
             EDGE_AGE: f"{max(0.0, now - self.arrival):.6f}",
@@ -98,11 +119,46 @@ class RequestTag:
         }
         if self.qos_class is not None and self.tier is not None:
             headers[EDGE_CLASS], headers[EDGE_TIER] = self.qos_class, self.tier
+        if path is not None:
+            headers[EDGE_PATH] = format_path(path)
         return headers
 
 
 def tag_of(scope: Mapping[str, Any]) -> RequestTag | None:
     return (scope.get("extensions") or {}).get(TAG)
+
+
+def path_of(scope: Mapping[str, Any]) -> PathEstimate | None:
+    """The client's path to route on: a trusted edge's measurement of it, else this server's
+    own; clamped to sane ranges whoever measured it."""
+    tag = tag_of(scope)
+    if tag is not None and tag.via_edge and tag.path is not None:
+        return tag.path.clamped()
+    own = (scope.get("extensions") or {}).get(PATH)
+    return own.clamped() if isinstance(own, PathEstimate) else None
+
+
+def format_path(path: PathEstimate) -> str:
+    parts = [f"rtt={path.rtt_s:.6f}", f"rttvar={path.rttvar_s:.6f}", f"loss={path.loss:.6f}"]
+    if path.rate_bps is not None:
+        parts.append(f"rate={path.rate_bps:.0f}")
+    return "; ".join(parts)
+
+
+def parse_path(value: str | None) -> PathEstimate | None:
+    """`format_path`'s form back, clamped; None unless it names at least the RTT as a number."""
+    fields: dict[str, float] = {}
+    for part in (value or "").split(";"):
+        name, _, number = part.partition("=")
+        try:
+            fields[name.strip()] = float(number)
+        except ValueError:
+            continue
+    if "rtt" not in fields:
+        return None
+    return PathEstimate(
+        fields["rtt"], fields.get("rttvar", 0.0), fields.get("loss", 0.0), fields.get("rate")
+    ).clamped()
 
 
 Tagger = Callable[[Mapping[str, str], float], RequestTag]
@@ -170,7 +226,7 @@ class QosClassifier:
         """The tag of a request with these headers that arrived at `now`. A request the
         classifier refuses gets the untagged stream spec: it is answered with a 4xx at once."""
         via_edge = self._from_trusted_edge(headers)
-        arrival, named = now, {}
+        arrival, named = now, dict[str, Any]()
         # A client may name its request (x-request-id, as vLLM's server allows); a trusted edge
         # passes on its own name for it.
         if _CLIENT_REQUEST_ID.fullmatch(client_id := headers.get("x-request-id", "")):
@@ -179,6 +235,7 @@ class QosClassifier:
             arrival = now - _age(headers.get(EDGE_AGE))
             if _REQUEST_ID.fullmatch(edge_id := headers.get(EDGE_REQUEST_ID, "")):
                 named["request_id"] = edge_id
+            named["path"] = parse_path(headers.get(EDGE_PATH))
             qos_class, tier = headers.get(EDGE_CLASS), headers.get(EDGE_TIER)
             if qos_class in self.classes and tier in self.tiers:
                 spec = self._spec(qos_class, arrival, soft_deadlines)
@@ -216,6 +273,32 @@ class QosClassifier:
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
         return key if scheme.lower() == "bearer" and key in self.api_keys else None
+
+
+class StreamDeadline:
+    """Moves one response stream's scheduling deadline: what the server hands the app in
+    `scope["extensions"][DEADLINE]`. The app gives it the time by which the answer's last token
+    must be written for the client to have it within the SLO (the router's budget, after the
+    client's path has had its share), and the stream is scheduled by that from then on.
+
+    Never earlier than the class's own deadline: the budget comes from the client's measured
+    path, and a client that delays its ACKs, so that its RTT looks longer and its budget
+    shorter, would otherwise jump the queue. The path may tighten the choice of model (the
+    router's); it never raises a stream's priority."""
+
+    def __init__(self, spec: StreamSpec, apply: Callable[[StreamSpec], None]) -> None:
+        """`spec`: the stream's tag from its class; `apply` re-tags the stream."""
+        self.spec = spec
+        self._floor = spec.deadline
+        self._apply = apply
+
+    def __call__(self, deadline: float) -> None:
+        if not math.isfinite(deadline) or self._floor is None:
+            return  # a stream of no class has no deadline to move
+        moved = max(deadline, self._floor)
+        if moved != self.spec.deadline:
+            self.spec = replace(self.spec, deadline=moved)
+            self._apply(self.spec)
 
 
 def stream_spec(qos_class: QosClass, arrival: float, soft_deadlines: bool = True) -> StreamSpec:

@@ -31,12 +31,14 @@ import h2.exceptions
 import hypercorn.asyncio
 import hypercorn.config
 import uvicorn
+from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.protocol.h2 import H2Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from transport.drain import Drain, Draining
 from transport.http3 import ASGIApp, Http3Server, Http3Settings, Lifespan
-from transport.qos import ARRIVAL
+from transport.qos import ARRIVAL, PATH
+from transport.tcpinfo import tcp_path
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,54 @@ class ArrivalStampingProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {ARRIVAL: time.monotonic()}
+        path = tcp_path(self.transport.get_extra_info("socket"))
+        if path is not None:
+            self.scope["extensions"][PATH] = path
+
+
+_TLS_SOCKETS: dict[tuple[Any, Any], socket.socket] = {}
+"""hypercorn's connections' sockets, by (client address, server address), as its scopes name
+them: it hands an app no way to the socket its request came on."""
+
+
+def _register_tls_sockets() -> None:
+    """Keep each hypercorn connection's socket in `_TLS_SOCKETS` while the connection lives,
+    for `TlsPath` to read the kernel's measurement of the client's path from."""
+    run = TCPServer.run
+    if getattr(run, "registers", False):
+        return
+
+    async def registering(self: TCPServer) -> None:
+        sock = self.writer.get_extra_info("socket")
+        try:
+            key = (sock.getpeername()[:2], sock.getsockname()[:2])
+        except OSError:  # gone before it was served
+            await run(self)
+            return
+        _TLS_SOCKETS[key] = sock
+        try:
+            await run(self)
+        finally:
+            _TLS_SOCKETS.pop(key, None)
+
+    registering.registers = True  # type: ignore[attr-defined]
+    TCPServer.run = registering  # type: ignore[method-assign]
+
+
+class TlsPath:
+    """ASGI middleware for the TLS server: the client's path (`qos.PATH`) from `TCP_INFO` of the
+    connection's socket, as the HTTP/1.1 server's protocol stamps it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("client") and scope.get("server"):
+            sock = _TLS_SOCKETS.get((tuple(scope["client"]), tuple(scope["server"])))
+            path = tcp_path(sock)
+            if path is not None:
+                scope.setdefault("extensions", {})[PATH] = path
+        await self.app(scope, receive, send)
 
 
 @dataclass
@@ -239,7 +289,9 @@ class DualServer:
 
     async def _start_tls(self) -> None:
         _tolerate_data_after_the_response()
+        _register_tls_sockets()
         app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
+        app = TlsPath(app)
         # Bound here, not by hypercorn, so that port 0 can be read back; hypercorn owns it then.
         listener = socket.create_server((self.listen.host, self.listen.tcp_port or 0), backlog=2048)
         self.tcp_port = listener.getsockname()[1]

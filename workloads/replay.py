@@ -237,9 +237,12 @@ async def replay(
     deployment: Deployment,
     timeout: float,
     progress: bool = True,
+    start_at: float | None = None,
 ) -> tuple[list[Outcome], float, float]:
     """Send every request at its arrival time; return the outcomes, the run's duration and the
-    CPU time this process spent on it (all threads), both in seconds."""
+    CPU time this process spent on it (all threads), both in seconds. `start_at`: the wall-clock
+    time (time.time()) that arrival 0 is, once connected, so that load generators in several
+    processes (one per emulated client) send on one clock."""
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(workload), unit="req", disable=not progress, dynamic_ncols=True)
     loop = asyncio.get_running_loop()
@@ -256,6 +259,8 @@ async def replay(
         bar.set_postfix(in_flight=len(tasks), errors=errors, refresh=False)
 
     async with client.open():
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu = time.process_time()
         start = time.perf_counter()
         for request in workload:
@@ -428,6 +433,13 @@ def parser() -> argparse.ArgumentParser:
         help="let the model stop early instead of generating max_tokens",
     )
     net.add_argument("--timeout", type=float, default=600, help="per-request limit, s")
+    net.add_argument(
+        "--start-at",
+        type=float,
+        metavar="UNIX_TIME",
+        help="once connected, wait for this wall-clock time to send arrival 0: several load "
+        "generators then share one clock",
+    )
     arr = p.add_argument_group("arrivals")
     arr.add_argument(
         "--arrivals", choices=["poisson", "gamma", "maf1", "switching", "trace"], default="poisson"
@@ -536,7 +548,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     try:
         outcomes, duration, cpu = asyncio.run(
-            replay(workload, Client(args, deployment), deployment, args.timeout, args.progress)
+            replay(
+                workload,
+                Client(args, deployment),
+                deployment,
+                args.timeout,
+                args.progress,
+                args.start_at,
+            )
         )
     except (ConnectionError, OSError, StreamError, httpx.TransportError) as exc:
         print(f"error: cannot connect to {args.url} over {args.proto}: {exc!r}", file=sys.stderr)

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from config.paths import PathEstimate
+
 Role = Literal["system", "user", "assistant"]
 
 
@@ -36,6 +38,9 @@ class Request:
     """Known in advance for generated workloads; live requests learn it from the tokenizer."""
     session_id: str | None = None
     """Requests of one multi-turn session share a growing prefix."""
+    path: PathEstimate | None = None
+    """What the server measured of its client's network path (None: nothing), or, in the
+    simulator, the estimate of the path its client was drawn on."""
 
     @property
     def is_chat(self) -> bool:
@@ -66,7 +71,10 @@ def _request(row: dict[str, Any]) -> Request:
     prompt = row["prompt"]
     if not isinstance(prompt, str):
         prompt = tuple(Message(m["role"], m["content"]) for m in prompt)
-    request = Request(**{**row, "prompt": prompt})
+    path = row.get("path")
+    request = Request(
+        **{**row, "prompt": prompt, "path": PathEstimate(*path) if path is not None else None}
+    )
     # What the server checks (max_tokens, the class, the prompt) is its to refuse, with a 4xx the
     # run counts; when to send is the load generator's alone.
     if not (isinstance(request.arrival, int | float) and 0 <= request.arrival < math.inf):
