@@ -26,9 +26,12 @@ BODY = {
 async def run_both_ways(h3_port: int) -> tuple[dict, LossyRelay]:
     # Lossy bursts of 200 ms every 500 ms at 90% loss, 40 ms RTT. The bursts come by the clock,
     # and a fast run can finish before the first one: 5% loss between them makes sure the
-    # link drops something whatever the timing.
+    # link drops something whatever the timing. Only the datagrams' way is lossy: a burst that
+    # outlasted the whole lane took every ACK with it in one CI run, and whether the envelope
+    # stops (checked below) is then a coin toss; lost ACKs are the sender's unit tests' matter.
     bursts = GilbertElliott(good_slots=5, good_loss=0.05)
-    link = LinkConfig(rate_bps=20e6, delay_s=0.02, bursts=bursts, seed=2)
+    downlink = LinkConfig(rate_bps=20e6, delay_s=0.02, bursts=bursts)
+    link = LinkConfig(rate_bps=20e6, delay_s=0.02, seed=2, downlink=downlink)
     relay = LossyRelay(("127.0.0.1", h3_port), link)
     port = await relay.start()
     runs = {}
@@ -49,7 +52,7 @@ async def run_both_ways(h3_port: int) -> tuple[dict, LossyRelay]:
 
 
 def check(runs: dict, relay: LossyRelay) -> None:
-    assert relay.up.dropped + relay.down.dropped > 0
+    assert relay.down.dropped > 0
     plain, plain_response = runs[False]
     result, response = runs[True]
     assert plain_response.lane is None and plain.error is None
