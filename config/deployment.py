@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from config.quality import QualityFileError, load_measured
 from config.schema import (
     AdmissionSpec,
     Faults,
@@ -72,6 +73,8 @@ class Deployment:
     replicas: list[ReplicaConfig]
     quality: dict[str, dict[str, float]]
     """task -> model -> quality, each task normalised so the deployment's best model scores 1."""
+    quality_source: str
+    """Where that table comes from: models.yaml's own, or a measured file and how it was made."""
     slo: Slo
     qos_classes: dict[str, QosClass]
     tiers: dict[str, Tier]
@@ -181,10 +184,12 @@ def resolve(
     replicas = _replicas(spec, dep.placement, dep.engine_args, Path(base_dir))
     models = list(dict.fromkeys(r.model for r in replicas))
     simulation = _simulation(spec, name, replicas, Path(base_dir))
+    quality, quality_source = _quality(spec, models, dep.quality_file, Path(base_dir))
     return Deployment(
         name=name,
         replicas=replicas,
-        quality=_normalised_quality(spec, models),
+        quality=quality,
+        quality_source=quality_source,
         slo=spec.slo,
         qos_classes=spec.qos_classes,
         tiers=spec.tiers,
@@ -322,21 +327,45 @@ def _source(source: str, build: TinyBuild | None, base_dir: Path) -> str:
     return source
 
 
-def _normalised_quality(spec: ModelsFile, models: list[str]) -> dict[str, dict[str, float]]:
+def _quality(
+    spec: ModelsFile, models: list[str], quality_file: str | None, base_dir: Path
+) -> tuple[dict[str, dict[str, float]], str]:
+    """The deployment's quality table, normalised, and where it comes from."""
+    if quality_file is None:
+        rows = {
+            task: {m: _stand_in_value(spec, task, row, m) for m in models}
+            for task, row in spec.quality.tasks.items()
+        }
+        return _normalised(rows, "quality.tasks"), spec.quality.source
+    path = base_dir / quality_file
+    try:
+        measured = load_measured(path)
+    except QualityFileError as exc:
+        raise ConfigError(str(exc)) from None
+    rows = {}
+    for task, row in measured.accuracy().items():
+        if missing := [m for m in models if m not in row]:
+            raise ConfigError(f"{path}: tasks.{task}: no score for {', '.join(missing)}")
+        rows[task] = {m: row[m] for m in models}
+    return _normalised(rows, f"{path}: tasks"), measured.describe()
+
+
+def _stand_in_value(spec: ModelsFile, task: str, row: dict[str, float], model: str) -> float:
+    stand_in = spec.models[model].stands_in_for
+    key = model if model in row else stand_in
+    if key not in row:
+        raise ConfigError(
+            f"quality.tasks.{task}: no value for {model!r}"
+            + (f" or {stand_in!r}, which it stands in for" if stand_in else "")
+        )
+    return row[key]
+
+
+def _normalised(rows: dict[str, dict[str, float]], where: str) -> dict[str, dict[str, float]]:
     quality: dict[str, dict[str, float]] = {}
-    for task, row in spec.quality.tasks.items():
-        values = {}
-        for model in models:
-            stand_in = spec.models[model].stands_in_for
-            key = model if model in row else stand_in
-            if key not in row:
-                raise ConfigError(
-                    f"quality.tasks.{task}: no value for {model!r}"
-                    + (f" or {stand_in!r}, which it stands in for" if stand_in else "")
-                )
-            values[model] = row[key]
+    for task, values in rows.items():
         best = max(values.values())
         if best <= 0:
-            raise ConfigError(f"quality.tasks.{task}: every model of the deployment scores 0")
+            raise ConfigError(f"{where}.{task}: every model of the deployment scores 0")
         quality[task] = {model: v / best for model, v in values.items()}
     return quality

@@ -148,6 +148,9 @@ class Tier(Strict):
     """Keys of this tier belong to edge front-ends: a request that carries one in `x-edge-key`
     keeps the arrival time and class that the edge forwards (`x-edge-age`, `x-edge-qos-class`,
     `x-edge-tier`) instead of being timed and classified again here."""
+    admin: bool = False
+    """Keys of this tier may see the operator's pages (`/dashboard` and its feed) from anywhere;
+    without one, only a client on the server's own machine (loopback) may."""
 
     @model_validator(mode="after")
     def _default_granted(self) -> Tier:
@@ -285,6 +288,10 @@ class DeploymentSpec(Strict):
     paths: str | None = None
     """The path mix (`path_mixes`) its clients come over: the router simulates, trains and
     evaluates with it, and routes on each request's path."""
+    quality_file: str | None = None
+    """A quality table measured by `python -m serving.quality` (relative to models.yaml's
+    directory): the router's reward, its simulator and its policies' check use it instead of
+    the file-wide `quality`."""
 
 
 class ModelsFile(Strict):

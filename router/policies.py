@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,9 @@ import xxhash
 from config import Deployment
 from router.features import FeatureEncoder
 from router.view import ClusterView
-from workloads import Request
+from workloads import Request, TokenIds
+
+log = logging.getLogger(__name__)
 
 
 class Policy(Protocol):
@@ -125,6 +128,8 @@ class PrefixHash:
     def key(self, request: Request) -> str:
         if isinstance(request.prompt, str):
             return request.prompt[: self.prefix_chars]
+        if isinstance(request.prompt, TokenIds):  # a token is a few characters: 1 in 4 will do
+            return ",".join(map(str, request.prompt.ids[: self.prefix_chars // 4]))
         first = next((m.content for m in request.prompt if m.role == "user"), "")
         return first[: self.prefix_chars]
 
@@ -252,6 +257,32 @@ class DqnPolicy:
                     f"the policy was trained with {key} {self.meta.get(key)}, but deployment "
                     f"{deployment.name!r} has {want}; retrain it with python -m router.train"
                 )
+        if (stale := self.stale_quality(deployment)) is not None:
+            log.warning(stale)
+
+    def stale_quality(self, deployment: Deployment) -> str | None:
+        """Why the policy's quality table is not the deployment's (None: it is). It still routes:
+        the table moves what a request is worth, not what the policy can see, but its choices
+        weigh the models by the table it was trained on."""
+        trained = self.meta.get("quality")
+        if trained is None:
+            return (
+                f"the policy records no quality table; deployment {deployment.name!r} routes on "
+                f"{deployment.quality_source.rstrip('.')}. Retrain it with python -m router.train"
+            )
+        differ = sorted(
+            task
+            for task, row in deployment.quality.items()
+            if any(abs(trained.get(task, {}).get(m, -1.0) - q) > 1e-6 for m, q in row.items())
+        )
+        if not differ:
+            return None
+        return (
+            f"the policy is stale: it was trained on another quality table "
+            f"({self.meta.get('quality_source', 'unrecorded').rstrip('.')}) than deployment "
+            f"{deployment.name!r} has ({deployment.quality_source.rstrip('.')}); they differ on "
+            f"{', '.join(differ)}. Retrain it with python -m router.train"
+        )
 
 
 def encoder_for(policy: Policy, deployment: Deployment) -> FeatureEncoder:

@@ -415,6 +415,9 @@ def _meta(
         "steps": int(steps),
         "seed": args.seed,
         "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
+        # The rewards it learned from: a policy trained on another table is stale.
+        "quality": deployment.quality,
+        "quality_source": deployment.quality_source,
         "hyperparameters": _hyperparameters(HYPERPARAMETERS | {"learning_starts": learning_starts}),
     }
 

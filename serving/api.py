@@ -6,10 +6,11 @@ It knows the gateway's interface only: not the policy, the engines or the transp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
@@ -21,7 +22,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from serving import metrics as outcomes
+from serving.engines.base import TokenDelta, TokenLogprob
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
+from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.metrics import Metrics, RequestRecord
 from serving.protocol import (
     ChatCompletionRequest,
@@ -32,7 +35,7 @@ from serving.protocol import (
 from transport.drain import Drain
 from transport.http3 import ResponseNotDelivered
 from transport.qos import DEADLINE, QosRejected, RequestTag, path_of, tag_of
-from workloads import Message
+from workloads import Message, TokenIds
 from workloads import Request as LlmRequest
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,10 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _serve(gateway, body, body.text, raw, chat=False)
+        prompts = body.prompts
+        if len(prompts) == 1:
+            return await _serve(gateway, body, prompts[0], raw, chat=False)
+        return await _serve_batch(gateway, body, prompts, raw)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -225,16 +231,58 @@ def _tag(scope: Scope) -> RequestTag:
 async def _serve(
     gateway: Gateway,
     body: GenerateRequest,
-    prompt: str | tuple[Message, ...],
+    prompt: str | TokenIds | tuple[Message, ...],
     raw: Request,
     chat: bool,
 ) -> Response:
+    generation = await _unless_disconnected(
+        raw.receive, _start(gateway, body, prompt, raw, chat), abandon=lambda g: g.aclose()
+    )
+    headers = _headers([generation], raw)
+    shape = _Shape(generation, chat, body.top_logprobs_asked, body.echoes)
+    if body.stream:
+        return GenerationStream(generation, shape.sse(body.include_usage), headers)
+    answer = (await _complete([generation], raw.receive))[0]
+    return WholeAnswer([generation], shape.whole(answer), headers)
+
+
+async def _serve_batch(
+    gateway: Gateway, body: CompletionRequest, prompts: list[str | TokenIds], raw: Request
+) -> Response:
+    """A completion of several prompts: each is a request of its own to the gateway (routed,
+    admitted and counted alone, as vLLM's server schedules each alone), answered together as
+    one choice per prompt. If any fails, the others are aborted and the error is the answer."""
+    starts = [_start(gateway, body, prompt, raw, False, i) for i, prompt in enumerate(prompts)]
+    generations = await _unless_disconnected(raw.receive, _all_started(starts))
+    shapes = [_Shape(g, False, body.top_logprobs_asked, body.echoes) for g in generations]
+    answers = await _complete(generations, raw.receive)
+    choices = [
+        shape.choice(answer, i)
+        for i, (shape, answer) in enumerate(zip(shapes, answers, strict=True))
+    ]
+    return WholeAnswer(
+        generations, shapes[0].batch(generations, choices), _headers(generations, raw)
+    )
+
+
+async def _start(
+    gateway: Gateway,
+    body: GenerateRequest,
+    prompt: str | TokenIds | tuple[Message, ...],
+    raw: Request,
+    chat: bool,
+    index: int | None = None,
+) -> Generation:
+    """Dispatch one prompt and wait for its first token; `index`: its place in a batch."""
     tag = _tag(raw.scope)
     if tag.rejected is not None:
         raise tag.rejected
     assert tag.qos_class is not None
+    record = record_of(raw.scope)
+    if index is not None:
+        record = dataclasses.replace(record, request_id=f"{record.request_id}-{index}")
     request = LlmRequest(
-        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{tag.request_id}",
+        request_id=f"{'chatcmpl' if chat else 'cmpl'}-{record.request_id}",
         arrival=tag.arrival,
         prompt=prompt,
         max_tokens=body.max_tokens,
@@ -243,31 +291,59 @@ async def _serve(
         path=path_of(raw.scope),
     )
     deadline = raw.scope["extensions"].get(DEADLINE)
-    # The first token can take a while (a queue, a long prompt): stop waiting if the client leaves.
-    generation = await _unless_disconnected(
-        raw.receive,
-        gateway.start(
-            request, body.sampling(), body.model, record_of(raw.scope), tag.api_key, deadline
-        ),
-        abandon=lambda g: g.aclose(),
-    )
-    headers = {
-        "x-model": generation.model,
-        "x-replica": generation.replica.name,
-        "x-qos-class": tag.qos_class,
+    return await gateway.start(request, body.sampling(), body.model, record, tag.api_key, deadline)
+
+
+async def _all_started(starts: list[Awaitable[Generation]]) -> list[Generation]:
+    """Every generation started, or none left open: if one fails (or the wait is cancelled),
+    the others are cancelled or closed, and the first error raised."""
+    tasks = [asyncio.ensure_future(start) for start in starts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    await task.result().aclose()
+        raise
+
+
+def _headers(generations: list[Generation], raw: Request) -> dict[str, str]:
+    return {
+        "x-model": ",".join(dict.fromkeys(g.model for g in generations)),
+        "x-replica": ",".join(dict.fromkeys(g.replica.name for g in generations)),
+        "x-qos-class": _tag(raw.scope).qos_class or "",
     }
-    shape = _Shape(generation, chat)
-    if body.stream:
-        return GenerationStream(generation, shape.sse(body.include_usage), headers)
-    return WholeAnswer(generation, await _complete(generation, shape, raw.receive), headers)
+
+
+@dataclasses.dataclass
+class _Answer:
+    """A generation's whole output, as its deltas brought it."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+    def add(self, delta: TokenDelta) -> None:
+        # An echoed prompt comes with the first delta, before its tokens.
+        self.text += (delta.prompt_text or "") + delta.text
+        self.logprobs += [*(delta.prompt_logprobs or ()), *delta.logprobs]
 
 
 class _Shape:
-    """OpenAI's response shapes for one generation: chat or text completion, chunk or whole."""
+    """OpenAI's response shapes for one generation: chat or text completion, chunk or whole.
+    `logprobs`: how many alternatives each token shows (None: no logprobs); `echo`: the
+    prompt goes first."""
 
-    def __init__(self, generation: Generation, chat: bool) -> None:
+    def __init__(
+        self, generation: Generation, chat: bool, logprobs: int | None = None, echo: bool = False
+    ) -> None:
         self.generation = generation
         self.chat = chat
+        self.logprobs = logprobs
+        self.echo = echo
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -281,28 +357,65 @@ class _Shape:
             "choices": choices,
         }
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
+
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool,
+        logprobs: Sequence[TokenLogprob] = (),
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        lp = self._logprobs(logprobs, offset)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
-    def whole(self, text: str) -> dict[str, Any]:
+    def choice(self, answer: _Answer, index: int = 0) -> dict[str, Any]:
         g = self.generation
+        lp = self._logprobs(answer.logprobs, 0)
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+            message = {"role": "assistant", "content": answer.text}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": lp,
                 "finish_reason": g.finish_reason,
             }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": g.finish_reason}
-            body = self._envelope("text_completion", [choice])
+        return {
+            "index": index,
+            "text": answer.text,
+            "logprobs": lp,
+            "finish_reason": g.finish_reason,
+        }
+
+    def whole(self, answer: _Answer) -> dict[str, Any]:
+        body = self._envelope(
+            "chat.completion" if self.chat else "text_completion", [self.choice(answer)]
+        )
         body["usage"] = self.usage()
+        return body
+
+    def batch(self, generations: list[Generation], choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """One completion for a batch of prompts: its id is the HTTP request's."""
+        body = self._envelope("text_completion", choices)
+        body["id"] = body["id"].rsplit("-", 1)[0]
+        body["model"] = ",".join(dict.fromkeys(g.model for g in generations))
+        body["replica"] = ",".join(dict.fromkeys(g.replica.name for g in generations))
+        prompt = sum(g.prompt_tokens for g in generations)
+        completion = sum(g.completion_tokens for g in generations)
+        body["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         return body
 
     def usage(self) -> dict[str, int]:
@@ -319,13 +432,19 @@ class _Shape:
         # the text is encoded per event, to the same bytes. Rendering the whole chunk was the
         # largest share of the HTTP/1.1 server's CPU per event (12%, profiled by
         # benchmarks/frontend_capacity.py --profile). The text is the last string in the chunk,
-        # after the request id, which a client may choose.
+        # after the request id, which a client may choose. Chunks with logprobs differ in more.
         head, _, tail = _event(self.chunk(_SLOT, None, False)).rpartition(_SLOT_JSON)
         first = True
+        offset = 0  # where the chunk's text starts in the whole answer's
         try:
             async for delta in self.generation:
-                if first or delta.finish_reason is not None:
-                    yield _event(self.chunk(delta.text, delta.finish_reason, first))
+                if first or delta.finish_reason is not None or self.logprobs is not None:
+                    answer = _Answer()
+                    answer.add(delta)
+                    yield _event(
+                        self.chunk(answer.text, delta.finish_reason, first, answer.logprobs, offset)
+                    )
+                    offset += len(answer.text)
                 else:
                     yield head + json.dumps(delta.text) + tail
                 first = False
@@ -390,39 +509,50 @@ class GenerationStream(StreamingResponse):
 
 
 class WholeAnswer(JSONResponse):
-    """A whole (not streamed) answer: it counts as ok once sent, and closes its generation."""
+    """A whole (not streamed) answer: it counts as ok once sent, and closes its generations."""
 
-    def __init__(self, generation: Generation, content: dict[str, Any], headers: dict[str, str]):
+    def __init__(
+        self, generations: list[Generation], content: dict[str, Any], headers: dict[str, str]
+    ):
         super().__init__(content, headers=headers)
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
-            self.generation.delivered()
+            for generation in self.generations:
+                generation.delivered()
         except OSError:
             pass  # the client is gone: HTTP/3 says so when the answer's last send fails
         finally:
             with anyio.CancelScope(shield=True):
-                await self.generation.aclose()
+                for generation in self.generations:
+                    await generation.aclose()
 
 
-async def _complete(generation: Generation, shape: _Shape, receive: Receive) -> dict[str, Any]:
-    """The whole response, unless the client disconnects first; then the request is aborted.
-    The generation stays open for `WholeAnswer` to send."""
-    texts: list[str] = []
+async def _complete(generations: list[Generation], receive: Receive) -> list[_Answer]:
+    """The generations' whole outputs, unless the client disconnects or one fails first; then
+    every one is aborted. They stay open for `WholeAnswer` to send."""
+    answers = [_Answer() for _ in generations]
 
-    async def collect() -> None:
+    async def collect(generation: Generation, answer: _Answer) -> None:
         async for delta in generation:
-            texts.append(delta.text)
+            answer.add(delta)
 
+    tasks = [
+        asyncio.ensure_future(collect(g, a)) for g, a in zip(generations, answers, strict=True)
+    ]
     try:
-        await _unless_disconnected(receive, collect())
+        await _unless_disconnected(receive, asyncio.gather(*tasks))
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await generation.aclose()
+            for task in tasks:  # the others of a batch, where one failed
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for generation in generations:
+                await generation.aclose()
         raise
-    return shape.whole("".join(texts))
+    return answers
 
 
 class ClientGone(Exception):

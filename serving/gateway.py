@@ -369,7 +369,7 @@ class Generation:
         try:
             async for delta in deltas:
                 # vLLM may send deltas that carry nothing (a role-only chunk); they are not tokens.
-                if delta.tokens or delta.text or delta.finish_reason:
+                if delta.tokens or delta.text or delta.finish_reason or delta.prompt_text:
                     self._queue.put_nowait(delta)
             self._queue.put_nowait(_END)
         except Exception as exc:

@@ -7,22 +7,30 @@ fields are ignored, as vLLM's server does.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    StrictInt,
+    Tag,
     field_validator,
     model_validator,
 )
 
 from serving.engines.base import Sampling
-from workloads import Message
+from workloads import Message, TokenIds
 
 # Far beyond any context window here; a bigger value is a client bug, refused before routing.
 MAX_TOKENS_LIMIT = 1_000_000
+MAX_LOGPROBS = 20
+"""vLLM's default `max_logprobs`: the most alternatives a request may ask for at a position."""
+MAX_PROMPTS = 256
+"""The largest batch of prompts one completion request may carry: each is a request of its own
+to the router, admission control and the key's limits."""
 
 
 def _unicode(text: str) -> str:
@@ -109,7 +117,6 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logprobs: Literal[False, None] = None
     user: str | None = None
     # Extensions.
     ignore_eos: bool = False
@@ -131,6 +138,8 @@ class GenerateRequest(BaseModel):
 
     def sampling(self) -> Sampling:
         return Sampling(
+            logprobs=self.top_logprobs_asked,
+            echo=self.echoes,
             temperature=self.temperature,
             top_p=self.top_p,
             stop=tuple(self.stop or ()),
@@ -144,29 +153,81 @@ class GenerateRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives per position the answer shows; None: no logprobs at all."""
+        return None
+
+    @property
+    def echoes(self) -> bool:
+        return False
+
 
 class ChatCompletionRequest(GenerateRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     tools: Literal[None] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
-    def _one_limit(self) -> ChatCompletionRequest:
+    def _one_limit(self) -> Self:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
 
-
-class CompletionRequest(GenerateRequest):
-    prompt: str | Annotated[list[Text], Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
-    suffix: Literal[None] = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_is_text(cls, prompt: str | list[str]) -> str | list[str]:
-        return _unicode(prompt) if isinstance(prompt, str) else prompt  # see ChatMessage's
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> Self:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+TokenPrompt = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+"""Token ids of the model's vocabulary (the engine checks the upper bound)."""
+OnePrompt = Annotated[
+    Annotated[Text, Tag("text")] | Annotated[TokenPrompt, Tag("token ids")],
+    Discriminator(lambda p: "text" if isinstance(p, str) else "token ids"),
+]
+"""Told apart by its JSON type, so that an error names the branch the client meant."""
+
+
+class CompletionRequest(GenerateRequest):
+    prompt: Annotated[list[OnePrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+    """One prompt (text, or token ids) or a batch of them; read as a batch."""
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: Literal[None] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_or_a_batch(cls, prompt: object) -> object:
+        one = isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+        )
+        return [prompt] if one else prompt
+
+    @model_validator(mode="after")
+    def _one_prompt_streams(self) -> Self:
+        if self.stream and len(self.prompt) > 1:
+            raise ValueError(
+                "a streamed completion takes one prompt; send a batch of prompts unstreamed, "
+                "or one request per prompt"
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str | TokenIds]:
+        return [p if isinstance(p, str) else TokenIds(tuple(p)) for p in self.prompt]
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo

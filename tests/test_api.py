@@ -305,6 +305,34 @@ BAD_INPUTS = {
         400,
         "invalid_request_error",
     ),
+    "a batch streamed": (
+        "/v1/completions",
+        {"prompt": ["a", "b"], "stream": True},
+        400,
+        "invalid_value",
+    ),
+    "top_logprobs without logprobs": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "top_logprobs": 2},
+        400,
+        "invalid_value",
+    ),
+    "logprobs above vLLM's 20": (
+        "/v1/completions",
+        {"prompt": "x", "logprobs": 21},
+        400,
+        "invalid_value",
+    ),
+    "token id out of the vocabulary": (
+        "/v1/completions",
+        {"model": "tiny-s", "prompt": [[2, 10**9]], "max_tokens": 1},
+        400,
+        "invalid_request_error",
+    ),
+    "token id negative": ("/v1/completions", {"prompt": [5, -1]}, 400, "invalid_value"),
+    "token id not an integer": ("/v1/completions", {"prompt": [[5, True]]}, 400, "invalid_value"),
+    "empty batch": ("/v1/completions", {"prompt": []}, 400, "invalid_value"),
+    "suffix": ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "invalid_value"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,65 @@ def test_one_slo_definition_and_the_reward() -> None:
     assert dep.reward("hellaswag", "opt-1.3b", "free-tier", slo_met=False) == 0.0
     assert dep.reward("gsm8k", "opt-1.3b", "free-tier", slo_met=True) == 0.0
     assert dep.reward(None, None, "free-tier", slo_met=True) == 0.0
+
+
+def measured(tmp_path: Path, scores: dict[str, dict[str, float]]) -> Path:
+    """A table as `python -m serving.quality` writes it."""
+    path = tmp_path / "quality.yaml"
+    tasks = {
+        task: {model: {"acc": acc, "stderr": 0.01, "n": 100} for model, acc in row.items()}
+        for task, row in scores.items()
+    }
+    path.write_text(yaml.safe_dump({
+        "command": "python -m serving.quality --limit 100", "date": "2026-11-26",
+        "deployment": "embedded", "data": "fixtures", "num_fewshot": 0, "tasks": tasks,
+    }))  # fmt: skip
+    return path
+
+
+def test_a_measured_quality_file_replaces_the_table(tmp_path: Path) -> None:
+    table = measured(tmp_path, {
+        "copa": {"tiny-s": 0.6, "tiny-m": 0.5, "tiny-l": 0.3},
+        "piqa": {"tiny-s": 0.5, "tiny-m": 0.55, "tiny-l": 0.55},
+    })  # fmt: skip
+    spec = broken(lambda s: s["deployments"]["embedded"].update(quality_file=table.name))
+    dep = resolve(load(write(tmp_path, spec)), "embedded", tmp_path)
+    assert dep.quality == {
+        "copa": {"tiny-s": 1.0, "tiny-m": pytest.approx(0.5 / 0.6), "tiny-l": 0.5},
+        "piqa": {"tiny-s": pytest.approx(0.5 / 0.55), "tiny-m": 1.0, "tiny-l": 1.0},
+    }
+    assert "2026-11-26" in dep.quality_source and "--limit 100" in dep.quality_source
+    # The other deployments keep the file-wide table.
+    assert (
+        resolve(load(write(tmp_path, spec)), "opt-cpu", tmp_path).quality["copa"]["opt-1.3b"] == 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("scores", "message"),
+    [
+        ({"copa": {"tiny-s": 0.6, "tiny-m": 0.5}}, r"tasks.copa: no score for tiny-l"),
+        ({"copa": {"tiny-s": 0.0, "tiny-m": 0.0, "tiny-l": 0.0}}, r"copa: every model .* scores 0"),
+        ({"copa": {"tiny-s": 1.5, "tiny-m": 0.5, "tiny-l": 0.5}}, r"tasks.copa.tiny-s.acc"),
+    ],
+)
+def test_a_bad_quality_file_is_refused_naming_what(tmp_path: Path, scores, message) -> None:
+    table = measured(tmp_path, scores)
+    spec = broken(lambda s: s["deployments"]["embedded"].update(quality_file=table.name))
+    with pytest.raises(ConfigError, match=message):
+        resolve(load(write(tmp_path, spec)), "embedded", tmp_path)
+    spec = broken(lambda s: s["deployments"]["embedded"].update(quality_file="absent.yaml"))
+    with pytest.raises(ConfigError, match="absent.yaml: cannot read"):
+        resolve(load(write(tmp_path, spec)), "embedded", tmp_path)
+
+
+def test_a_policy_trained_on_another_quality_table_says_it_is_stale(tmp_path: Path) -> None:
+    from router.policies import DqnPolicy
+
+    paper = load_deployment(ROOT / "models.yaml", "paper-4gpu")
+    policy = DqnPolicy.load(ROOT / "router/policies/paper-4gpu.npz")
+    assert policy.stale_quality(paper) is None  # trained on seed 004's Table 1, as shipped
+    row = paper.quality["piqa"]
+    other = replace(paper, quality={**paper.quality, "piqa": {**row, "opt-125m": 0.5}})
+    stale = policy.stale_quality(other)
+    assert stale is not None and "stale" in stale and "piqa" in stale and "hellaswag" not in stale

@@ -4,6 +4,6 @@ The generators (`arrivals`, `traces`, `generate`) and `metrics` are plain data a
 router's simulator draws from them; `replay` alone uses the transport, to drive a live server.
 """
 
-from workloads.request import Message, Request
+from workloads.request import Message, Request, TokenIds
 
-__all__ = ["Message", "Request"]
+__all__ = ["Message", "Request", "TokenIds"]

@@ -21,13 +21,20 @@ class Message:
 
 
 @dataclass(frozen=True)
+class TokenIds:
+    """A prompt given as token ids of the model's vocabulary, as lm-eval sends them."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Request:
     request_id: str
     """Unique while the request lives."""
     arrival: float
     """Seconds on the caller's clock: monotonic when live, virtual in simulation."""
-    prompt: str | tuple[Message, ...]
-    """Raw text for a completion, or the conversation for a chat completion."""
+    prompt: str | TokenIds | tuple[Message, ...]
+    """Raw text or token ids for a completion, or the conversation for a chat completion."""
     max_tokens: int | None
     """Output tokens to generate at most; None means up to the model's context."""
     qos_class: str
@@ -44,7 +51,7 @@ class Request:
 
     @property
     def is_chat(self) -> bool:
-        return not isinstance(self.prompt, str)
+        return isinstance(self.prompt, tuple)
 
 
 def save_requests(path: str | Path, requests: Iterable[Request]) -> None:
@@ -69,7 +76,9 @@ def load_requests(path: str | Path) -> list[Request]:
 
 def _request(row: dict[str, Any]) -> Request:
     prompt = row["prompt"]
-    if not isinstance(prompt, str):
+    if isinstance(prompt, dict):
+        prompt = TokenIds(tuple(prompt["ids"]))
+    elif not isinstance(prompt, str):
         prompt = tuple(Message(m["role"], m["content"]) for m in prompt)
     path = row.get("path")
     request = Request(

@@ -24,6 +24,24 @@ class Sampling:
     priority: int = 0
     """Lower is served first, where the engine schedules by priority (a vLLM extension, as in
     its OpenAI server); the gateway sets the urgency of the request's class."""
+    logprobs: int | None = None
+    """Return each output token's log-probability and this many of the most likely tokens at
+    its position beside it (0: the token's own only); None: no log-probabilities."""
+    echo: bool = False
+    """The first delta carries the prompt as text (`TokenDelta.prompt_text`), and with
+    `logprobs`, each prompt token's log-probability too (`TokenDelta.prompt_logprobs`)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a prompt or an answer, and how likely the model found it there."""
+
+    token: str
+    """The token's text on its own (a piece of a multi-byte character may read as U+FFFD)."""
+    logprob: float | None
+    """Natural log; None for the prompt's first token, which nothing precedes."""
+    top: tuple[tuple[str, float], ...] = ()
+    """The most likely tokens at this position, most likely first, as many as asked for."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,13 @@ class TokenDelta:
     """Length of the prompt as the engine tokenised it."""
     finish_reason: str | None = None
     """Set on the last delta: 'stop' or 'length'."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per new token, where `Sampling.logprobs` asked for them."""
+    prompt_text: str | None = None
+    """On the first delta, where `Sampling.echo` asked for it: the prompt as text."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """On the first delta, where `Sampling.echo` and `Sampling.logprobs` asked: one per prompt
+    token."""
 
 
 class InvalidRequest(Exception):

@@ -9,7 +9,7 @@ from typing import Any
 
 from config import ReplicaConfig
 from serving.engines.base import InvalidRequest
-from workloads import Request
+from workloads import Request, TokenIds
 
 # Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
 # 7 ms for 16,000; a thread hop costs about a tenth of a millisecond. Longer prompts go to a thread.
@@ -32,6 +32,7 @@ class PromptTokenizer:
         # one to four, so a prompt never has fewer tokens than its characters over this).
         # A walk of the vocabulary: made once, where the engine is built, not in a request.
         self._longest = max(len(token) for token in tokenizer.get_vocab())
+        self._vocabulary = len(tokenizer)
 
     async def ids(self, request: Request, max_model_len: int) -> list[int]:
         """Tokenise; a long prompt in a thread, so that it does not stall every other stream.
@@ -58,8 +59,25 @@ class PromptTokenizer:
                 f"The chat template refused the messages: {exc}", param="messages"
             ) from exc
 
+    def text(self, request: Request, ids: list[int]) -> str:
+        """The prompt as text, as an echo gives it back: as sent, or its ids read back."""
+        return request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(ids)
+
+    def token(self, token_id: int) -> str:
+        """One token's text on its own."""
+        return self.tokenizer.decode([token_id])
+
     def _ids(self, request: Request) -> list[int]:
-        if not request.is_chat:
+        if isinstance(request.prompt, TokenIds):
+            ids = list(request.prompt.ids)
+            bad = next((i for i in ids if not 0 <= i < self._vocabulary), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"Token id {bad} is out of the vocabulary (0 to {self._vocabulary - 1}).",
+                    param="prompt",
+                )
+            return ids
+        if isinstance(request.prompt, str):
             return self.tokenizer.encode(request.prompt)
         messages = [{"role": m.role, "content": m.content} for m in request.prompt]
         text = self.tokenizer.apply_chat_template(
@@ -95,4 +113,6 @@ def output_budget(request: Request, prompt_tokens: int, max_model_len: int) -> i
 def _prompt_chars(request: Request) -> int:
     if isinstance(request.prompt, str):
         return len(request.prompt)
+    if isinstance(request.prompt, TokenIds):  # a token spells at least one character
+        return len(request.prompt.ids)
     return sum(len(m.content) for m in request.prompt)

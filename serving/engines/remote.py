@@ -21,7 +21,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from workloads import Request
+from workloads import Request, TokenIds
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,13 @@ class RemoteEngine:
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
         if not self._healthy:
             raise EngineUnavailable(f"{self.config.name}: {self.config.url} is unreachable")
+        if sampling.logprobs is not None or sampling.echo:
+            # Not relayed yet: the upstream's streamed logprobs would need mapping chunk by chunk.
+            raise InvalidRequest(
+                f"{self.config.name} is a remote replica, which does not relay logprobs or echo "
+                "yet; pin a model this server runs itself.",
+                param="logprobs" if sampling.logprobs is not None else "echo",
+            )
         self._open.add(request.request_id)
         try:
             stream = await self._start(request, sampling)
@@ -142,7 +149,10 @@ class RemoteEngine:
         if request.is_chat:
             messages = [{"role": m.role, "content": m.content} for m in request.prompt]
             return await self._client.chat.completions.create(messages=messages, **common)
-        return await self._client.completions.create(prompt=request.prompt, **common)
+        prompt = (
+            list(request.prompt.ids) if isinstance(request.prompt, TokenIds) else request.prompt
+        )
+        return await self._client.completions.create(prompt=prompt, **common)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

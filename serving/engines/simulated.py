@@ -35,7 +35,13 @@ from config.schema import Faults
 from router.admission import DEFAULT_MAX_BATCH
 from router.sim import Batcher, Devices, Job
 from serving.embedded import ensure_built
-from serving.engines.base import EngineError, EngineUnavailable, Sampling, TokenDelta
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
 from serving.engines.prompts import PromptTokenizer, output_budget
 from workloads import Request
 
@@ -155,9 +161,17 @@ class SimulatedEngine:
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
         if not self.healthy() or self._prompts is None:
             raise EngineUnavailable(f"{self.config.name}: not running")
-        prompt_tokens = len(await self._prompts.ids(request, self.max_model_len))
+        if sampling.logprobs is not None:
+            raise InvalidRequest(
+                f"{self.config.name} is a simulated replica: it has no model to give "
+                "log-probabilities; pin a model served by vLLM.",
+                param="logprobs",
+            )
+        ids = await self._prompts.ids(request, self.max_model_len)
+        prompt_tokens = len(ids)
         tokens = output_budget(request, prompt_tokens, self.max_model_len)
         stream = self._admit(replace(request, prompt_tokens=prompt_tokens), tokens, sampling)
+        echo = self._prompts.text(request, ids) if sampling.echo else None
         try:
             while True:
                 await stream.ready.wait()
@@ -165,8 +179,10 @@ class SimulatedEngine:
                 if stream.error is not None:
                     raise stream.error
                 text, stream.sent = stream.text[stream.sent :], len(stream.text)
-                delta = TokenDelta(text, stream.tokens, prompt_tokens, stream.finish)
-                stream.tokens = 0
+                delta = TokenDelta(
+                    text, stream.tokens, prompt_tokens, stream.finish, prompt_text=echo
+                )
+                stream.tokens, echo = 0, None
                 yield delta
                 if stream.finish is not None:
                     return

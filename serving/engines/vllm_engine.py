@@ -7,8 +7,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from config import ReplicaConfig
 from serving.embedded import ensure_built
@@ -18,6 +18,7 @@ from serving.engines.base import (
     InvalidRequest,
     Sampling,
     TokenDelta,
+    TokenLogprob,
 )
 from serving.engines.prompts import PromptTokenizer, output_budget
 from workloads import Request
@@ -153,6 +154,8 @@ class VllmEngine:
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.logprobs if sampling.echo else None,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -162,8 +165,10 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._running()  # raises EngineUnavailable before anything starts: safe to retry
-        ids = await self._prompts.ids(request, self.max_model_len)
+        prompts = self._prompts
+        ids = await prompts.ids(request, self.max_model_len)
         params = self._sampling_params(request, sampling, len(ids))
+        echo = sampling.echo
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
             async for out in llm.generate(
@@ -179,12 +184,25 @@ class VllmEngine:
                     raise EngineError(
                         f"{self.config.name}: the engine ended the request ({finish})"
                     )
+                k = sampling.logprobs
                 yield TokenDelta(
                     text=completion.text,
                     tokens=len(completion.token_ids),
                     prompt_tokens=len(ids),
                     finish_reason=finish,
+                    logprobs=(
+                        _logprobs(completion.token_ids, completion.logprobs or (), k, prompts)
+                        if k is not None
+                        else ()
+                    ),
+                    prompt_text=prompts.text(request, ids) if echo else None,
+                    prompt_logprobs=(
+                        _logprobs(ids, out.prompt_logprobs or (), k, prompts)
+                        if echo and k is not None
+                        else None
+                    ),
                 )
+                echo = False  # the prompt goes with the first delta only
         except EngineError:
             raise
         except EngineDeadError as exc:
@@ -225,6 +243,36 @@ class VllmEngine:
         llm, self._llm = self._llm, None  # not healthy from here on, even while shutting down
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
+
+
+def _logprobs(
+    ids: Iterable[int],
+    positions: Iterable[Mapping[int, Any] | None],
+    k: int,
+    prompts: PromptTokenizer,
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's log-probabilities (one {token id: Logprob} per position, holding the position's
+    own token and its top `k`; None for a prompt's first token) as plain data."""
+
+    def text(token_id: int, logprob: Any) -> str:
+        return (
+            logprob.decoded_token if logprob.decoded_token is not None else prompts.token(token_id)
+        )
+
+    out = []
+    for token_id, position in zip(ids, positions, strict=True):
+        if position is None:
+            out.append(TokenLogprob(prompts.token(token_id), None))
+            continue
+        top = sorted(
+            ((lp.rank, text(i, lp), lp.logprob) for i, lp in position.items() if lp.rank <= k),
+            key=lambda ranked: ranked[0],
+        )
+        own = position[token_id]
+        out.append(
+            TokenLogprob(text(token_id, own), own.logprob, tuple((t, lp) for _, t, lp in top))
+        )
+    return tuple(out)
 
 
 async def _finish_even_if_cancelled(work: Awaitable[R], undo: Callable[[R], object]) -> R:
