@@ -49,6 +49,7 @@ from transport.tls import ensure_certificate
 
 H3_REQUEST_REJECTED = 0x10B
 EXIT_TIMEOUT_S = 300
+STREAM_TOKENS = 1_000
 """A guard against a hang, not a measurement: the stream in flight has to finish first."""
 
 
@@ -139,7 +140,9 @@ def test_sigterm_drains_refuses_and_leaves_no_engine(stopping_server: Server) ->
     assert ENGINE_CORE in children.values(), children
     descendants = _identities(children)
 
-    # A long stream, in flight when the signal comes.
+    # A long stream, in flight when the signal comes. It must outlast every check below that
+    # needs the server up: at 300 tokens, on a CI machine loaded by other work, it once ended
+    # (and the server exited) before /metrics was read.
     lines: list[str] = []
     first_token = threading.Event()
     failure: list[BaseException] = []
@@ -147,7 +150,7 @@ def test_sigterm_drains_refuses_and_leaves_no_engine(stopping_server: Server) ->
     def stream() -> None:
         try:
             with httpx.stream(
-                "POST", server.url + "/v1/chat/completions", json=_chat(300, stream=True),
+                "POST", server.url + "/v1/chat/completions", json=_chat(STREAM_TOKENS, stream=True),
                 timeout=EXIT_TIMEOUT_S,
             ) as response:  # fmt: skip
                 assert response.status_code == 200, response.read()
@@ -209,7 +212,7 @@ def test_sigterm_drains_refuses_and_leaves_no_engine(stopping_server: Server) ->
     events = [json.loads(line) for line in lines[:-1]]
     assert not [e for e in events if "error" in e], events[-2:]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
-    assert events[-1]["usage"]["completion_tokens"] == 300
+    assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
     try:
         code = server.process.wait(EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
