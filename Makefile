@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEPLOYMENT ?= embedded
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test browser lint bench clean
 
 # The stamp lives in the venv, so removing the venv also forgets that setup ran.
 STAMP := $(VENV)/.setup-stamp
@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml scripts/setup.sh
 serve: setup
 	$(PY) -m serving --deployment $(DEPLOYMENT) --port $(PORT)
 
-test: setup lint
+test: setup browser lint
 	$(PY) -m pytest -q
+
+# Debian's chromium, for tests/test_pages.py; installed with apt where it is missing.
+browser:
+	scripts/setup-browser.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -15,7 +15,8 @@ class Score(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     acc: Annotated[float, Field(ge=0, le=1)]
-    stderr: Annotated[float, Field(ge=0)]
+    stderr: Annotated[float, Field(ge=0)] | None
+    """None where lm-eval could not estimate it (one item)."""
     n: Annotated[int, Field(gt=0)]
     """Items scored."""
 

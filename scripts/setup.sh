@@ -41,4 +41,5 @@ fi
 
 # The project and its other dependencies; vLLM is already in place, so the extra adds nothing new.
 pip install -e ".[dev]"
+
 echo "setup: done ($extra)"

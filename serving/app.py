@@ -14,6 +14,7 @@ from router.policies import make_policy
 from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
 from serving.gateway import Gateway
 from serving.metrics import INVALID, Metrics
+from serving.pages import add_pages
 from serving.replicas import ReplicaSet
 from transport.drain import Draining
 from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -48,6 +49,8 @@ def build_app(
 
     drain = stopping_drain(gateway.metrics)
     app = create_app(gateway, lifespan, drain)
+    # The playground and the dashboard: routes of the same app, so every transport serves them.
+    add_pages(app, gateway, drain)
     # Before the handler parses the request: under overload most requests end here, and the
     # less a refusal costs, the sooner it is answered.
     app.add_middleware(ShedAtTheDoor, gateway=gateway)

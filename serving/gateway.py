@@ -29,6 +29,7 @@ from serving.engines.base import (
 )
 from serving.key_limits import KeyLimiter, OverLimit
 from serving.metrics import Metrics, RequestRecord
+from serving.recent import Decision
 from serving.replicas import Replica, ReplicaSet
 from workloads import Request
 
@@ -178,6 +179,7 @@ class Gateway:
                 self.limiter.release(api_key)
                 self._refuse(record, model, exc)
             record.routed = self.clock()
+            self._decided(record, request, model, index, rate)
             if deadline is not None and (left := self.encoder.budget(request)) is not None:
                 deadline(request.arrival + left.answer_s)
             generation = Generation(
@@ -266,6 +268,27 @@ class Gateway:
             raise NoReplicaAvailable(f"No healthy replica can serve {which} right now.")
         return view
 
+    def _decided(
+        self, record: RequestRecord, request: Request, asked: str, index: int, rate: float
+    ) -> None:
+        """Tell the dashboard's recorder where the request went and the load it found."""
+        chosen = self.replicas[index]
+        in_flight = sum(r.running for r in self.replicas)
+        self.metrics.recent.routed(
+            Decision(
+                at=record.routed or self.clock(),
+                request_id=record.request_id or request.request_id,
+                qos_class=request.qos_class,
+                task=request.task,
+                asked=asked,
+                model=chosen.model,
+                replica=chosen.name,
+                in_flight=in_flight,
+                at_replica=chosen.running,
+                rate=rate,
+            )
+        )
+
     def _learn(self, index: int, expected: Expected | None) -> Feedback:
         """What a generation at replica `index` tells admission control of how it went."""
         if expected is None:
@@ -351,6 +374,9 @@ class Generation:
         self._last_at: float | None = None
         self._outcome: str | None = None
         replica.running += 1
+        replica.waiting += 1
+        self._waiting = True
+        """Counted in the replica's waiting: no first token yet."""
         self._owed = assumed_output_tokens(request)
         """Output tokens this request may still get: its share of the replica's `owed`."""
         replica.owed += self._owed
@@ -426,6 +452,7 @@ class Generation:
         now = self.gateway.clock()
         if self._first_at is None:
             self._first_at = now
+            self._stop_waiting()
             if self.record.routed is not None:
                 self._feedback.first_token(now - self.record.routed, False)
         self._last_at = now
@@ -488,7 +515,13 @@ class Generation:
         )
         self.gateway.metrics.finish(record, outcome, slo_met)
 
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self.replica.waiting -= 1
+
     def _free_replica(self) -> None:
+        self._stop_waiting()
         if self._holds_replica:
             self._holds_replica = False
             self.replica.running -= 1

@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serving.recent import Recent
 from serving.replicas import ReplicaSet
 
 # Outcomes of a request. Every request the API accepts ends in exactly one of them.
@@ -43,6 +44,9 @@ LIMITED = "limited"  # 429: its API key was over its rate or concurrency limit
 SHED = "shed"  # 429: no replica could have given its first token in time (admission control)
 DRAINING = "draining"  # 503 (HTTP/3: rejected after GOAWAY): it came while the server was stopping
 STOPPED = "stopped"  # still running when the server's drain time ran out, and cut
+CLIENTS_OWN = frozenset({INVALID, REFUSED, LIMITED, CANCELLED})
+"""Outcomes of the client's own making, which say nothing of the server: the dashboard's SLO
+attainment counts them neither for nor against it."""
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -216,6 +220,8 @@ class Metrics:
         # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds: the
         # front-end process's own (engines run in processes of their own).
         ProcessCollector(registry=self.registry)
+        self.recent = Recent(CLIENTS_OWN, SHED)
+        """The last decisions and outcomes, and each class's last minute, for the dashboard."""
         self._cut: set[str] = set()
         """Requests the server cut as it stopped: they end as stopped, not cancelled."""
 
@@ -232,6 +238,7 @@ class Metrics:
         """Count how one request ended, and log it: exactly once per request."""
         if outcome == CANCELLED and record.request_id in self._cut:
             outcome = STOPPED
+        self.recent.finished(record, outcome, slo_met)
         cls, model = record.qos_class or "none", record.model or "none"
         self.requests.labels(cls, model, outcome).inc()
         if record.received is not None:

@@ -22,6 +22,8 @@ class Replica:
     engine: Engine
     running: int = 0
     """Requests the gateway dispatched here that have not finished, as the gateway sees them."""
+    waiting: int = 0
+    """Of those, the ones with no first token yet: in the engine's queue, or in prefill."""
     owed: int = 0
     """Output tokens still owed to those requests (`router.view.ReplicaState.owed`)."""
     restarts: int = 0

@@ -220,6 +220,9 @@ def test_config(tmp_dir: Path, **extra_deployments: tuple[list[dict], dict]) -> 
         path = deployment.get("policy", {}).get("path")
         if path and not Path(path).is_absolute():
             deployment["policy"]["path"] = str(ROOT / path)
+        table = deployment.get("quality_file")
+        if table and not Path(table).is_absolute():
+            deployment["quality_file"] = str(ROOT / table)
     for qos_class in spec["qos_classes"].values():
         qos_class["deadline_s"] = 60.0
     # Admission control would refuse the impatient class at once (429) rather than let it reach

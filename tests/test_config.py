@@ -34,11 +34,12 @@ def test_paper_deployment_puts_one_of_each_model_on_each_gpu() -> None:
     assert dep.profile is not None and dep.profile.source == "derived"
 
 
-def test_quality_is_seed_table_1_normalised_to_the_deployments_best_model() -> None:
+def test_quality_is_seed_table_1_normalised_to_the_deployments_best_model(tmp_path: Path) -> None:
     paper = load_deployment(ROOT / "models.yaml", "paper-4gpu").quality
     assert paper["hellaswag"] == {"opt-125m": 0.45, "opt-1.3b": 0.78, "opt-6.7b": 1.0}
-    # The tiny models take the rows of the OPT sizes they stand in for.
-    embedded = load_deployment(ROOT / "models.yaml", "embedded").quality
+    # Without a measured table, the tiny models take the rows of the OPT sizes they stand in for.
+    spec = broken(lambda s: s["deployments"]["embedded"].pop("quality_file"))
+    embedded = resolve(load(write(tmp_path, spec)), "embedded", ROOT).quality
     assert embedded["copa"] == {"tiny-s": 0.80, "tiny-m": 0.95, "tiny-l": 1.0}
     # Without OPT-6.7B, OPT-1.3B is the best model and scores 1.
     cpu = load_deployment(ROOT / "models.yaml", "opt-cpu").quality
@@ -123,7 +124,11 @@ def test_a_wrong_file_is_refused_naming_the_field(tmp_path: Path, case: str) -> 
 
 
 def test_a_model_missing_from_the_quality_table_is_named(tmp_path: Path) -> None:
-    spec = broken(lambda s: s["quality"]["tasks"]["piqa"].pop("opt-6.7b"))
+    def change(spec: dict) -> None:
+        spec["quality"]["tasks"]["piqa"].pop("opt-6.7b")
+        spec["deployments"]["embedded"].pop("quality_file")  # it would route on its own table
+
+    spec = broken(change)
     with pytest.raises(
         ConfigError, match=r"quality.tasks.piqa: no value for 'tiny-l' or 'opt-6.7b'"
     ):

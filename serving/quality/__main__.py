@@ -1,0 +1,282 @@
+"""`python -m serving.quality --deployment embedded`: each model's zero-shot accuracy on seed
+004's tasks (HellaSwag, COPA, PIQA, OpenBookQA), measured by lm-eval through the server.
+
+Every request pins one model ("model": "<name>") of a running server (--url), or of one this
+command starts for the deployment and stops at the end. Writes the quality table (--out) and
+prints it normalised to the best model of each task, beside seed 004's Table 1."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from config import (
+    DEFAULT_PATH,
+    ConfigError,
+    ModelsFile,
+    ReplicaConfig,
+    load,
+    load_deployment,
+)
+from serving.quality.evaluate import Sample, Score
+from serving.quality.table import SeedRow, Table, comparison, write
+from serving.quality.tasks import FIXTURES, TASKS, data_file
+
+STARTUP_TIMEOUT_S = 600.0
+"""Three engines take 30-60 s to start on two cores; a hub model may first download."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.quality", description=__doc__)
+    parser.add_argument("--config", default=str(DEFAULT_PATH), help="path to models.yaml")
+    parser.add_argument("--deployment", help="a deployment of models.yaml (default: its default)")
+    parser.add_argument(
+        "--url",
+        help="a running server of the deployment, e.g. http://127.0.0.1:8000 (default: start "
+        "`python -m serving` for the deployment, with admission control off, and stop it after)",
+    )
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="no server: lm-eval's own vllm backend on each model's files, in this process "
+        "(the reference the server's numbers should match)",
+    )
+    parser.add_argument("--models", help="comma-separated (default: every model of the deployment)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of %(default)s")
+    parser.add_argument("--limit", type=int, help="items per task (default: all)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=FIXTURES,
+        help="one file per task, <task>.jsonl or .parquet (default: the ~20-item fixtures "
+        "shipped in serving/quality/data; the README's 'Model quality' says where the full "
+        "sets come from)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="the table (default: results/quality/<deployment>.yaml)"
+    )
+    parser.add_argument("--samples", type=Path, help="also write each item's scores here (JSONL)")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per request")
+    parser.add_argument("--num-concurrent", type=int, default=2, help="requests in flight")
+    parser.add_argument(
+        "--qos-class",
+        default="long",
+        help="the x-qos-class of every request (default: long, whose deadline suits batches)",
+    )
+    parser.add_argument("--api-key", default=os.environ.get("QOS_API_KEY"),
+                        help="sent as Authorization: Bearer (default: $QOS_API_KEY)")  # fmt: skip
+    parser.add_argument("--port", type=int, help="for the server this starts (default: a free one)")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        deployment = load_deployment(args.config, args.deployment)
+        spec = load(args.config)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    tasks = _names(args.tasks, TASKS, "task", parser)
+    models = _names(args.models, deployment.models, "model of the deployment", parser)
+    if args.direct and args.url:
+        parser.error("--direct evaluates without a server: leave --url out")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be at least 1")
+    if deployment.simulation is not None:
+        parser.error(f"{deployment.name} runs simulated engines: there is no model to measure")
+    for task in tasks:
+        try:
+            data_file(args.data_dir, task)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+    replicas = {m: next(r for r in deployment.replicas if r.model == m) for m in models}
+    _offline(replicas.values())
+    for replica in replicas.values():
+        if replica.build is not None:  # a tiny model, built here on first use
+            from serving.embedded import ensure_built
+
+            ensure_built(replica.source, replica.build)
+
+    # SIGTERM as an exception, so that the server this started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None and not args.direct:
+            url = stack.enter_context(_server(args.config, deployment.name, args.port))
+        scores, samples = _run(args, replicas, tasks, url)
+
+    data = "fixtures" if args.data_dir.resolve() == FIXTURES else str(args.data_dir)
+    command = shlex.join(["python", "-m", "serving.quality", *sys.argv[1:]])
+    table = Table(command, datetime.date.today().isoformat(), deployment.name, data, scores)
+    out = args.out or Path("results/quality") / f"{deployment.name}.yaml"
+    write(table, out)
+    if args.samples is not None:
+        args.samples.parent.mkdir(parents=True, exist_ok=True)
+        args.samples.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
+    rows = {m: _seed_row(spec, m) for m in models}
+    print(comparison(table, spec.quality.tasks, rows))
+    print(f"\nseed: {spec.quality.source.strip()}")
+    print(f"wrote {out}" + (f" and {args.samples}" if args.samples else ""))
+    return 0
+
+
+def _run(
+    args: argparse.Namespace,
+    replicas: dict[str, ReplicaConfig],
+    tasks: list[str],
+    url: str | None,
+) -> tuple[dict[str, dict[str, Score]], list[Sample]]:
+    # Imported here: lm-eval takes seconds to import, and --help and config errors need none.
+    from lm_eval.tasks import TaskManager
+    from tqdm import tqdm
+
+    from serving.quality import evaluate
+
+    scores: dict[str, dict[str, Score]] = {task: {} for task in tasks}
+    samples: list[Sample] = []
+    task_manager = TaskManager()  # indexes every task YAML lm-eval ships: once, not per run
+    headers = {"x-qos-class": args.qos_class}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    progress = tqdm(total=len(replicas) * len(tasks), desc="quality", unit="task")
+    for model, replica in replicas.items():
+        max_model_len = int(replica.engine_args.get("max_model_len", 2048))  # type: ignore[arg-type]
+        if url is None:
+            engine_args = {"dtype": "float32"} if replica.device == "cpu" else {}
+            engine_args.update(replica.engine_args)
+            kv_cache = int(replica.kv_cache_gib * 2**30) if replica.kv_cache_gib else None
+            lm = evaluate.direct_vllm(
+                replica.source,
+                batch_size=args.batch_size,
+                engine_args=engine_args,
+                kv_cache_bytes=kv_cache,
+            )
+        else:
+            lm = evaluate.through_server(
+                url,
+                model,
+                replica.source,
+                batch_size=args.batch_size,
+                num_concurrent=args.num_concurrent,
+                max_length=max_model_len,
+                headers=headers,
+            )
+        try:
+            for task in tasks:
+                progress.set_postfix_str(f"{model} {task}")
+                result = evaluate.evaluate(lm, model, task, args.data_dir, args.limit, task_manager)
+                scores[task][model] = result.score
+                samples.extend(result.samples)
+                progress.update()
+        finally:
+            evaluate.shut_down(lm)
+    progress.close()
+    return scores, samples
+
+
+def _names(given: str | None, known: list[str] | tuple[str, ...], what: str,
+           parser: argparse.ArgumentParser) -> list[str]:  # fmt: skip
+    names = [n.strip() for n in given.split(",") if n.strip()] if given else list(known)
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"unknown {what}: {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def _offline(replicas: Iterable[ReplicaConfig]) -> None:
+    """The data is local, always: no dataset hub. Models too, where every source is a
+    directory; a hub model (opt-cpu's) may still need its tokenizer fetched."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if all(Path(r.source).is_dir() for r in replicas):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _seed_row(spec: ModelsFile, model: str) -> SeedRow | None:
+    """The seed's name for `model`: its own, or the model it stands in for."""
+    quality = spec.quality
+    names = {name for row in quality.tasks.values() for name in row}
+    stands_in_for = spec.models[model].stands_in_for
+    name = model if model in names else stands_in_for
+    if name is None or name not in names:
+        return None
+    return SeedRow(name, stand_in=name != model, derived=name in quality.derived)
+
+
+@contextlib.contextmanager
+def _server(config: str, deployment: str, port: int | None) -> Iterator[str]:
+    """`python -m serving` for `deployment`, up until every replica is ready; its URL.
+
+    Admission control is off: a quality run measures the models, and a request shed because
+    the engines were busy with its own batch would only be retried."""
+    port = port or _free_port()
+    logfile = Path(tempfile.mkstemp(prefix=f"quality-{deployment}-", suffix=".log")[1])
+    command = [sys.executable, "-m", "serving", "--config", config, "--deployment", deployment,
+               "--port", str(port), "--h3-port", "0", "--request-log", "off",
+               "--admission", "none"]  # fmt: skip
+    with logfile.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url, logfile)
+        yield url
+    finally:
+        _stop(process)
+    logfile.unlink()  # kept only when something went wrong
+
+
+def _wait_ready(process: subprocess.Popen, url: str, logfile: Path) -> None:
+    import httpx
+    from tqdm import tqdm
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with tqdm(desc="starting the server", bar_format="{desc}: {elapsed}") as waiting:
+        while True:
+            if process.poll() is not None:
+                tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-30:])
+                sys.exit(f"the server exited with {process.returncode} ({logfile}):\n{tail}")
+            # /readyz answers 200 only once every replica is up.
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                _stop(process)
+                sys.exit(f"the server was not ready after {STARTUP_TIMEOUT_S:.0f} s: {logfile}")
+            time.sleep(0.5)
+            waiting.update()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """A graceful stop (the server drains and stops its engines), then whatever of its process
+    group is left: vLLM workers outlive their server by seconds, a killed one's for good."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
