@@ -61,6 +61,7 @@ from tqdm import tqdm
 
 from experiments.output import write_csv
 from serving.api import _Shape
+from serving.engines.base import TokenDelta
 from transport.connection import adopt
 from transport.eloquent import (
     DATAGRAM_ALLOWANCE,
@@ -114,10 +115,10 @@ def server_events(texts: list[str]) -> list[bytes]:
         model = "opt-1.3b"
         replica = SimpleNamespace(name="opt-1.3b-0")
 
-        async def __aiter__(self) -> AsyncIterator[SimpleNamespace]:
+        async def __aiter__(self) -> AsyncIterator[TokenDelta]:
             for i, text in enumerate(texts):
                 last = i == len(texts) - 1
-                yield SimpleNamespace(text=text, finish_reason="length" if last else None)
+                yield TokenDelta(text, 1, 0, finish_reason="length" if last else None)
 
     async def collect() -> list[bytes]:
         shape = _Shape(Generation(), chat=True)  # type: ignore[arg-type]
