@@ -562,3 +562,99 @@ def test_nothing_is_kept_once_every_stream_has_gone(name: str) -> None:
     link.run()
     assert not link.left and len(scheduler) == 0
     assert {path: n for path, n in containers(scheduler).items() if n} == {}
+
+
+class RankModel:
+    """abs and pifo's order, written the obvious way: the queued stream of highest priority,
+    earliest arrival first, with arrival kept across re-tags."""
+
+    def __init__(self) -> None:
+        self.arrival: dict[int, int] = {}
+        self.priority: dict[int, int] = {}
+        self.queued: set[int] = set()
+        self.count = 0
+
+    def add(self, stream_id: int, spec: StreamSpec) -> None:
+        self.arrival[stream_id], self.count = self.count, self.count + 1
+        self.priority[stream_id] = spec.priority
+        self.queued.add(stream_id)
+
+    def pop(self) -> int | None:
+        if not self.queued:
+            return None
+        head = min(self.queued, key=lambda s: (-self.priority[s], self.arrival[s]))
+        self.queued.discard(head)
+        return head
+
+
+def test_pifo_and_abs_follow_the_obvious_order_through_every_path() -> None:
+    # Every way in and out of the queue, against a model: pops left pending across an add, an
+    # update, a remove and the next pop; a head re-tagged while popped, to the same priority or
+    # another; requeues with nothing sent; many re-tags, so that pifo's heap is compacted while
+    # its top is popped; the error paths, which must leave everything as it was.
+    for seed in range(8):
+        rng = random.Random(seed)
+        model = RankModel()
+        schedulers = [make_scheduler("pifo"), make_scheduler("abs")]
+        popped: list[int] = []
+        next_id = 0
+        for _ in range(3000):
+            op = rng.random()
+            held = sorted(model.arrival)
+            if op < 0.2 or not held:
+                spec = StreamSpec(priority=rng.randint(-2, 4))
+                for s in schedulers:
+                    s.add(next_id, spec)
+                model.add(next_id, spec)
+                next_id += 1
+            elif op < 0.45:
+                stream_id = model.pop()
+                for s in schedulers:
+                    assert s.pop(0.0) == stream_id
+                if stream_id is not None:
+                    popped.append(stream_id)
+            elif op < 0.65 and popped:
+                stream_id = popped.pop(rng.randrange(len(popped)))
+                for s in schedulers:
+                    s.requeue(stream_id, rng.choice([0, 1200]), 0.0)
+                model.queued.add(stream_id)
+            elif op < 0.8:
+                stream_id = rng.choice(held)
+                priority = rng.choice([model.priority[stream_id], rng.randint(-2, 4)])
+                for s in schedulers:
+                    s.update(stream_id, StreamSpec(priority=priority))
+                model.priority[stream_id] = priority
+            elif op < 0.9:
+                stream_id = rng.choice(held)
+                for s in schedulers:
+                    s.remove(stream_id)
+                del model.arrival[stream_id], model.priority[stream_id]
+                model.queued.discard(stream_id)
+                if stream_id in popped:
+                    popped.remove(stream_id)
+            else:
+                stream_id = rng.choice(held)
+                for s in schedulers:
+                    if stream_id in popped:
+                        with pytest.raises(ValueError):
+                            s.requeue(stream_id, -1, 0.0)
+                    else:
+                        with pytest.raises(ValueError):
+                            s.requeue(stream_id, 0, 0.0)
+                    with pytest.raises(ValueError):
+                        s.add(stream_id, StreamSpec())
+                    s.requeue(next_id + 1, 0, 0.0)  # not held: a no-op
+                    with pytest.raises(KeyError):
+                        s.update(next_id + 1, StreamSpec())
+            for s in schedulers:
+                assert len(s) == len(model.arrival)
+                assert all(stream_id in s for stream_id in sorted(model.arrival)[:3])
+        for stream_id in popped:
+            for s in schedulers:
+                s.requeue(stream_id, 0, 0.0)
+            model.queued.add(stream_id)
+        expected = []
+        while (stream_id := model.pop()) is not None:
+            expected.append(stream_id)
+        for s in schedulers:
+            assert pop_all(s) == expected

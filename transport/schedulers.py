@@ -24,7 +24,11 @@ Policies, by registry name:
   abs   absolute priority over a sorted list (bisect.insort, list.pop(0)): the baseline "sorted
         list ABS" of seed 004, ch. 2. Inserting and popping cost O(n) (the list shifts).
   ml    multi-level: the high class in EDF order always before the low class in round-robin.
-  pifo  the same order as abs over a heap (push-in-first-out queue): O(log n) insert and pop.
+  pifo  the same order as abs over a heap (push-in-first-out queue): O(log n) insert and pop;
+        a pop and the requeue of the same stream make one heapreplace (none if its rank holds).
+  abs and pifo share a leaner bookkeeping than the others (`_RankScheduler`): one packed int
+  rank per stream, computed when it is added or re-tagged, so that both compare only the
+  data structures.
 
 Stdlib only: no aioquic import, so the policies are unit-testable alone.
 """
@@ -36,6 +40,7 @@ import itertools
 from abc import ABC, abstractmethod
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush, heapreplace
 from typing import Any, ClassVar
 
 __all__ = [
@@ -254,7 +259,8 @@ class _EdfQueue:
 
 
 class Scheduler(ABC):
-    """Bookkeeping shared by every policy; subclasses supply the queue.
+    """Bookkeeping shared by every policy; subclasses supply the queue. (abs and pifo replace it
+    with a leaner one of their own, `_RankScheduler`, that keeps the same interface.)
 
     A stream is held from `add` to `remove` (or until `expired` returns it). While held it is
     either queued or popped (handed to the connection, waiting for `requeue`). Subclasses
@@ -501,60 +507,244 @@ class EdfScheduler(Scheduler):
         return spec.deadline is not None and not spec.soft
 
 
-class AbsScheduler(Scheduler):
+_SEQ_BITS = 64
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+
+
+class _RankScheduler(Scheduler):
+    """The bookkeeping abs and pifo share, kept off the per-call path.
+
+    Both order streams by one rank, (-priority, arrival). It is computed once per stream, at
+    `add` and `update`, and packed into a single int, `(-priority << 64) + arrival`, so a
+    queue compares one int instead of a tuple and nothing re-reads the spec or the arrival
+    order on `pop` or `requeue`. Arrivals are numbered from 0 and stay below 2**64 for as long
+    as any connection lives, so the packed order is exactly the tuple order. A rank is unique
+    among held streams, so `_queued` maps each queued rank back to its stream.
+
+    What the generic `Scheduler` does on every call and this does not:
+    - look up the spec and the arrival order to build a key (`_specs`, `_seq`): the rank is
+      built once and kept; abs and pifo read nothing else of the spec;
+    - keep a set of popped streams (`_popped`: an add on every pop, a remove on every
+      requeue): a held stream is popped exactly when its rank is not in `_queued`, which the
+      queue keeps anyway, so requeue and remove ask `_queued`;
+    - call hooks that do nothing here (`_requeued`, `_forget`).
+    Neither policy drops streams, so `expired` and `next_deadline` have nothing to look at.
+    Both policies run this same code; only the queue differs: `pop`, `_enqueue` and `_unqueue`,
+    and `requeue`, which is the same checks followed by `_enqueue` written out in place (one
+    Python call is about a quarter of a requeue once the rest is gone), in both.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rank: dict[int, int] = {}  # held id -> its packed rank
+        self._queued: dict[int, int] = {}  # rank of a queued stream -> its id
+
+    # -- the interface, over ranks ---------------------------------------------------------
+
+    def add(self, stream_id: int, spec: StreamSpec = DEFAULT_SPEC) -> None:
+        rank = self._rank
+        if stream_id in rank:
+            raise ValueError(f"stream {stream_id} is already scheduled")
+        entry = rank[stream_id] = (-spec.priority << _SEQ_BITS) + next(self._arrivals)
+        self._enqueue(stream_id, entry)
+
+    def update(self, stream_id: int, spec: StreamSpec) -> None:
+        old = self._rank.get(stream_id)
+        if old is None:
+            raise KeyError(stream_id)
+        entry = self._rank[stream_id] = (-spec.priority << _SEQ_BITS) + (old & _SEQ_MASK)
+        if old in self._queued:
+            self._unqueue(stream_id, old)
+            self._enqueue(stream_id, entry)
+
+    def remove(self, stream_id: int) -> None:
+        entry = self._rank.pop(stream_id, None)
+        if entry is not None and entry in self._queued:
+            self._unqueue(stream_id, entry)
+
+    @abstractmethod
+    def pop(self, now: float) -> int | None:
+        """The queue's pop: the queued stream of smallest rank, out of `_queued`."""
+
+    @abstractmethod
+    def requeue(self, stream_id: int, sent: int, now: float) -> None:
+        """The queue's requeue, `_enqueue` written out in place, after the same checks:
+
+        entry = self._rank.get(stream_id)
+        if entry is None:
+            return  # not held: a no-op
+        if entry in self._queued or sent < 0:
+            self._refuse(stream_id, sent)
+        """
+
+    def _refuse(self, stream_id: int, sent: int) -> None:
+        """Why a requeue of a held stream is refused."""
+        if self._rank[stream_id] in self._queued:
+            raise ValueError(f"stream {stream_id} was not popped")
+        raise ValueError(f"sent must be >= 0, got {sent}")
+
+    def expired(self, now: float) -> list[int]:
+        return []
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+    def __contains__(self, stream_id: object) -> bool:
+        return stream_id in self._rank
+
+    # -- the queue --------------------------------------------------------------------------
+
+    @abstractmethod
+    def _enqueue(self, stream_id: int, entry: int) -> None:
+        """Queue a held stream that is not queued, under its rank."""
+
+    @abstractmethod
+    def _unqueue(self, stream_id: int, entry: int) -> None:
+        """Take a queued stream out of the queue."""
+
+    # The generic hooks are not used: the interface above goes straight to the queue.
+    def _insert(self, stream_id: int) -> None:
+        self._enqueue(stream_id, self._rank[stream_id])
+
+    def _delete(self, stream_id: int) -> None:
+        self._unqueue(stream_id, self._rank[stream_id])
+
+    def _pop_next(self, now: float) -> int | None:
+        return self.pop(now)
+
+
+class AbsScheduler(_RankScheduler):
     """Absolute priority: higher `priority` first, first come first served within a level.
 
-    A Python list kept sorted with `bisect.insort` on (-priority, arrival); pop is
-    `list.pop(0)`. Both shift the list, O(n): this is the sorted-list baseline of seed 004
-    ch. 2, kept to measure `pifo` against.
+    A Python list of packed ranks kept sorted with `bisect.insort`; pop is `list.pop(0)`. Both
+    shift the list, O(n): this is the sorted-list baseline of seed 004 ch. 2, kept to measure
+    `pifo` against.
     """
 
     name = "abs"
 
     def __init__(self) -> None:
         super().__init__()
-        self._queue: list[tuple[int, int, int]] = []  # (-priority, arrival, id)
+        self._queue: list[int] = []  # packed ranks, sorted
 
-    def _key(self, stream_id: int) -> tuple[int, int, int]:
-        return (-self._specs[stream_id].priority, self._seq[stream_id], stream_id)
+    def _enqueue(self, stream_id: int, entry: int) -> None:
+        self._queued[entry] = stream_id
+        insort(self._queue, entry)
 
-    def _insert(self, stream_id: int) -> None:
-        insort(self._queue, self._key(stream_id))
+    def pop(self, now: float) -> int | None:
+        return self._queued.pop(self._queue.pop(0)) if self._queue else None
 
-    def _delete(self, stream_id: int) -> None:
-        key = self._key(stream_id)
-        i = bisect_left(self._queue, key)
-        assert self._queue[i] == key
+    def requeue(self, stream_id: int, sent: int, now: float) -> None:
+        entry = self._rank.get(stream_id)
+        if entry is None:
+            return
+        queued = self._queued
+        if entry in queued or sent < 0:
+            self._refuse(stream_id, sent)
+        queued[entry] = stream_id
+        insort(self._queue, entry)
+
+    def _unqueue(self, stream_id: int, entry: int) -> None:
+        del self._queued[entry]
+        i = bisect_left(self._queue, entry)
+        assert self._queue[i] == entry
         del self._queue[i]
 
-    def _pop_next(self, now: float) -> int | None:
-        return self._queue.pop(0)[2] if self._queue else None
+
+class _RankHeap:
+    """The list of packed ranks a `PifoScheduler` keeps in heap order. It is always the same
+    list (rebuilt in place), so the scheduler holds it directly too."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[int] = []
 
 
-class PifoScheduler(Scheduler):
+class PifoScheduler(_RankScheduler):
     """Absolute priority like `abs` (higher first, FCFS within a level) over a heap.
 
     A push-in-first-out queue (Sivaraman et al.) ranks each stream on entry and serves only the
-    head; in software it is a binary heap of entries (rank..., generation, id), the rank
-    (-priority, arrival) flattened into the tuple: O(log n) insert and pop. Removing or
-    re-tagging a queued stream marks its entry stale (lazy deletion, O(1)); stale entries are
-    skipped at the top and compacted away once they exceed half the heap.
+    head; in software it is a binary heap of packed ranks (see `_RankScheduler`): O(log n)
+    insert and pop.
+
+    Pop and requeue as one heapreplace. `pop` takes the top stream out of the queue but leaves
+    its entry at the top of the list, marked taken; the next change to the list settles it. A
+    requeue of that stream puts its rank back: unchanged (the usual case: the head filled a
+    packet and keeps its place), the entry is simply live again, with no sift at all; changed
+    (re-tagged while popped), one `heapreplace` swaps it in. Anything else first pops the taken
+    entry off the list, as a plain pop would have. The list holds the same live ranks either
+    way, and ranks are unique, so the order served is the same.
+
+    Removing or re-tagging a queued stream only forgets its rank in `_queued` (lazy deletion,
+    O(1)); the entry left in the heap is stale and skipped when it reaches the top. A stream
+    re-tagged to its own rank leaves a stale copy equal to its live one: either copy serves it,
+    and the other is then skipped, so the order is the same. Once stale entries outnumber half
+    the heap it is rebuilt from `_queued`, which bounds the memory and keeps pop at O(log n)
+    amortised.
     """
 
     name = "pifo"
 
     def __init__(self) -> None:
         super().__init__()
-        self._heap = _LazyHeap()
+        self._heap = _RankHeap()
+        self._entries = self._heap._heap
+        self._stale = 0  # entries in the list that are neither queued nor taken
+        self._taken = False  # the top entry's stream has been popped
 
-    def _insert(self, stream_id: int) -> None:
-        self._heap.push(stream_id, (-self._specs[stream_id].priority, self._seq[stream_id]))
+    def _enqueue(self, stream_id: int, entry: int) -> None:
+        self._queued[entry] = stream_id
+        heap = self._entries
+        if self._taken:
+            self._taken = False
+            if heap[0] != entry:
+                heapreplace(heap, entry)
+        else:
+            heappush(heap, entry)
 
-    def _delete(self, stream_id: int) -> None:
-        self._heap.discard(stream_id)
+    def requeue(self, stream_id: int, sent: int, now: float) -> None:
+        entry = self._rank.get(stream_id)
+        if entry is None:
+            return
+        queued = self._queued
+        if entry in queued or sent < 0:
+            self._refuse(stream_id, sent)
+        queued[entry] = stream_id
+        heap = self._entries
+        if self._taken:
+            self._taken = False
+            if heap[0] != entry:
+                heapreplace(heap, entry)
+        else:
+            heappush(heap, entry)
 
-    def _pop_next(self, now: float) -> int | None:
-        return self._heap.pop()
+    def pop(self, now: float) -> int | None:
+        heap, queued = self._entries, self._queued
+        if self._taken:
+            heappop(heap)
+        while heap:
+            stream_id = queued.pop(heap[0], None)
+            if stream_id is not None:
+                self._taken = True
+                return stream_id
+            heappop(heap)
+            self._stale -= 1
+        self._taken = False
+        return None
+
+    def _unqueue(self, stream_id: int, entry: int) -> None:
+        del self._queued[entry]
+        self._stale += 1
+        heap = self._entries
+        if self._stale > len(heap) // 2:
+            heap[:] = self._queued
+            heapify(heap)
+            self._stale = 0
+            self._taken = False
 
 
 class MultiLevelScheduler(Scheduler):
