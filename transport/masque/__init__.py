@@ -1,12 +1,16 @@
 """MASQUE: proxying UDP over HTTP/3 (RFC 9298 CONNECT-UDP, RFC 9297 capsules), seed 004 ch. 2.
 
-This step is the protocol logic alone, sans-IO, with no aioquic connection and nothing from
-serving or router: the proxy, the client tunnel and access control build on it.
+Nothing here imports serving or router. `capsule` and `connect_udp` are the protocol logic,
+sans-IO; `proxy` and `tunnel` run it on plain aioquic.
 
 - `capsule`: the Capsule Protocol's encoding and an incremental parser, and the UDP proxying
   HTTP Datagram Payload (context ID, then the UDP payload).
 - `connect_udp`: checking an Extended CONNECT request for `connect-udp` against the default
   URI template, the allow-list of targets, and the template's path for a client.
+- `proxy`: `MasqueProxy`, the CONNECT-UDP proxy (keys, allow-lists, capsules and HTTP/3
+  datagrams both ways); `python -m transport.masque.proxy`.
+- `tunnel`: `UdpTunnel`, the client side: a local UDP socket that an inner QUIC connection
+  uses as its network, carried through the proxy.
 """
 
 from transport.masque.capsule import (

@@ -1,0 +1,327 @@
+"""MASQUE CONNECT-UDP end to end on loopback: `transport.masque.proxy.MasqueProxy` and
+`transport.masque.tunnel.UdpTunnel` over real aioquic connections.
+
+(a) a UDP flow through a tunnel reaches a UDP echo server and comes back, in capsule mode and in
+HTTP/3 datagram mode, and the proxy's socket closes with the tunnel; (b) access control: 401
+without a valid key, 403 for a key whose AllowList does not allow the target (or allows nothing),
+400/405 for requests that are not a well-formed CONNECT-UDP, and no UDP socket opened for any of
+them; (c) an inner HTTP/3 request (the repo's `Http3Client`) through the tunnel to the repo's
+`Http3Server` with a trivial ASGI app. Certificates come from `transport.tls`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import QuicEvent
+
+from transport.client import Http3Client
+from transport.http3 import Http3Server, Http3Settings
+from transport.masque import AllowList
+from transport.masque.proxy import MasqueProxy
+from transport.masque.tunnel import TunnelClosed, TunnelRefused, UdpTunnel
+from transport.tls import ensure_certificate
+
+KEY = "tunnel-key"
+OTHER_KEY = "other-target-key"
+NO_RIGHTS_KEY = "no-tunnel-key"
+
+
+class _Echo(asyncio.DatagramProtocol):
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.seen = 0
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.seen += 1
+        self.transport.sendto(b"echo:" + data, addr)
+
+
+@asynccontextmanager
+async def _echo_server() -> AsyncIterator[tuple[int, _Echo]]:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_datagram_endpoint(_Echo, local_addr=("127.0.0.1", 0))
+    try:
+        yield transport.get_extra_info("sockname")[1], protocol
+    finally:
+        transport.close()
+
+
+@asynccontextmanager
+async def _proxy(allowed: list[str]) -> AsyncIterator[MasqueProxy]:
+    cert, key = ensure_certificate()
+    keys = {
+        KEY: AllowList.parse(allowed),
+        OTHER_KEY: AllowList.parse(["127.0.0.1:9"]),
+        NO_RIGHTS_KEY: AllowList.parse([]),
+    }
+    async with MasqueProxy(keys, certfile=cert, keyfile=key) as proxy:
+        yield proxy
+
+
+def _tunnel(proxy: MasqueProxy, target_port: int, **kwargs: Any) -> UdpTunnel:
+    cert, _ = ensure_certificate()
+    return UdpTunnel("127.0.0.1", proxy.port, "127.0.0.1", target_port, verify=str(cert), **kwargs)
+
+
+class _Local(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.received: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.received.put_nowait(data)
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+# --- (a) a UDP flow through the tunnel ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["capsule", "datagram"])
+async def test_a_udp_flow_reaches_the_echo_server_and_comes_back(mode: str) -> None:
+    async def run() -> None:
+        async with _echo_server() as (echo_port, echo), _proxy([f"127.0.0.1:{echo_port}"]) as proxy:
+            async with _tunnel(proxy, echo_port, key=KEY, mode=mode) as tunnel:
+                # A plain UDP client of the tunnel's local socket.
+                loop = asyncio.get_running_loop()
+                local, client = await loop.create_datagram_endpoint(
+                    _Local, remote_addr=tunnel.local_address
+                )
+                try:
+                    for i in range(20):
+                        local.sendto(f"ping {i}".encode())
+                        reply = await asyncio.wait_for(client.received.get(), 5)
+                        assert reply == f"echo:ping {i}".encode()
+                    big = bytes(range(256)) * 8  # 2 KiB: too big for a QUIC datagram
+                    local.sendto(big)
+                    assert await asyncio.wait_for(client.received.get(), 5) == b"echo:" + big
+                finally:
+                    local.close()
+                assert echo.seen == 21
+                assert proxy.sockets_opened == 1 and proxy.open_tunnels == 1
+                if mode == "datagram":
+                    # Small payloads went as HTTP/3 datagrams both ways, the big one as capsules.
+                    assert tunnel.sent_datagrams == 20 and tunnel.sent_capsules == 1
+                    assert tunnel.received_datagrams == 20 and tunnel.received_capsules == 1
+                else:
+                    assert tunnel.sent_datagrams == 0 and tunnel.received_datagrams == 0
+                    assert tunnel.received_capsules == 21
+            # The client ended its stream: the proxy closes the UDP socket.
+            await _until(lambda: proxy.sockets_closed == 1 and proxy.open_tunnels == 0)
+
+    await asyncio.wait_for(run(), 10)
+
+
+async def test_send_and_recv_without_a_local_socket_client() -> None:
+    async def run() -> None:
+        async with (
+            _echo_server() as (echo_port, _),
+            _proxy([f"127.0.0.1:{echo_port}"]) as proxy,
+            _tunnel(proxy, echo_port, key=KEY) as tunnel,
+        ):
+            tunnel.send(b"hello")
+            assert await asyncio.wait_for(tunnel.recv(), 5) == b"echo:hello"
+
+    await asyncio.wait_for(run(), 10)
+
+
+async def test_closing_the_proxy_connection_closes_the_udp_socket() -> None:
+    async def run() -> None:
+        async with _echo_server() as (echo_port, _), _proxy([f"127.0.0.1:{echo_port}"]) as proxy:
+            tunnel = _tunnel(proxy, echo_port, key=KEY)
+            await tunnel.open()
+            try:
+                assert proxy.open_tunnels == 1
+                # Close the QUIC connection without ending the stream first.
+                assert tunnel._protocol is not None
+                tunnel._protocol.close()
+                await _until(lambda: proxy.sockets_closed == 1 and proxy.open_tunnels == 0)
+                with pytest.raises(TunnelClosed):
+                    await asyncio.wait_for(tunnel.recv(), 5)
+                assert tunnel.closed is not None
+            finally:
+                await tunnel.aclose()
+
+    await asyncio.wait_for(run(), 10)
+
+
+async def test_a_malformed_capsule_stream_resets_the_tunnel_and_closes_its_socket() -> None:
+    async def run() -> None:
+        async with (
+            _echo_server() as (echo_port, _),
+            _proxy([f"127.0.0.1:{echo_port}"]) as proxy,
+            _tunnel(proxy, echo_port, key=KEY) as tunnel,
+        ):
+            protocol = tunnel._protocol
+            assert protocol is not None
+            # A DATAGRAM capsule announcing 1 MiB: over the parser's limit, refused at once.
+            protocol.h3.send_data(tunnel.stream_id, b"\x00\x80\x10\x00\x00", end_stream=False)
+            protocol.transmit()
+            await _until(lambda: tunnel.closed is not None)
+            assert "reset" in (tunnel.closed or "")
+            await _until(lambda: proxy.sockets_closed == 1 and proxy.open_tunnels == 0)
+
+    await asyncio.wait_for(run(), 10)
+
+
+# --- (b) access control and malformed requests --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "status"),
+    [(None, 401), ("wrong-key", 401), (OTHER_KEY, 403), (NO_RIGHTS_KEY, 403)],
+)
+async def test_keys_are_enforced_and_no_socket_is_opened(key: str | None, status: int) -> None:
+    async def run() -> None:
+        async with _echo_server() as (echo_port, echo), _proxy([f"127.0.0.1:{echo_port}"]) as proxy:
+            with pytest.raises(TunnelRefused) as refused:
+                async with _tunnel(proxy, echo_port, key=key):
+                    pass
+            assert refused.value.status == status
+            if status == 401:
+                assert refused.value.headers.get("www-authenticate") == "Bearer"
+            assert proxy.refused == {status: 1}
+            assert proxy.sockets_opened == 0 and echo.seen == 0
+
+    await asyncio.wait_for(run(), 10)
+
+
+async def test_a_target_outside_the_keys_allow_list_is_refused() -> None:
+    async def run() -> None:
+        async with _echo_server() as (echo_port, echo), _proxy([f"127.0.0.1:{echo_port}"]) as proxy:
+            with pytest.raises(TunnelRefused) as refused:
+                async with _tunnel(proxy, echo_port + 1 if echo_port < 65535 else 1, key=KEY):
+                    pass
+            assert refused.value.status == 403
+            assert proxy.sockets_opened == 0 and echo.seen == 0
+
+    await asyncio.wait_for(run(), 10)
+
+
+class _RawProtocol(QuicConnectionProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic, enable_webtransport=True)
+        self.responses: dict[int, asyncio.Future[int]] = {}
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        for h3_event in self.h3.handle_event(event):
+            if isinstance(h3_event, HeadersReceived):
+                future = self.responses.get(h3_event.stream_id)
+                if future is not None and not future.done():
+                    future.set_result(int(dict(h3_event.headers)[b":status"]))
+
+
+def _connect_udp(path: bytes, method: bytes = b"CONNECT") -> list[tuple[bytes, bytes]]:
+    return [
+        (b":method", method),
+        (b":protocol", b"connect-udp"),
+        (b":scheme", b"https"),
+        (b":authority", b"localhost"),
+        (b":path", path),
+        (b"capsule-protocol", b"?1"),
+        (b"authorization", f"Bearer {KEY}".encode()),
+    ]
+
+
+async def test_malformed_requests_get_400_or_405_and_open_no_socket() -> None:
+    cert, _ = ensure_certificate()
+
+    async def run() -> None:
+        async with _echo_server() as (echo_port, echo), _proxy([f"127.0.0.1:{echo_port}"]) as proxy:
+            good = f"/.well-known/masque/udp/127.0.0.1/{echo_port}/".encode()
+            cases: list[tuple[list[tuple[bytes, bytes]], int]] = [
+                # not the template
+                (_connect_udp(b"/masque/127.0.0.1/53/"), 400),
+                (_connect_udp(f"/.well-known/masque/udp/127.0.0.1/{echo_port}".encode()), 400),
+                (_connect_udp(b"/.well-known/masque/udp/127.1/53/"), 400),
+                (_connect_udp(b"/.well-known/masque/udp/127.0.0.1/0/"), 400),
+                # no capsule-protocol
+                ([h for h in _connect_udp(good) if h[0] != b"capsule-protocol"], 400),
+                # another :protocol
+                (
+                    [
+                        (n, b"connect-tcp" if n == b":protocol" else v)
+                        for n, v in _connect_udp(good)
+                    ],
+                    400,
+                ),
+            ]
+            get = [(n, v) for n, v in _connect_udp(good) if n != b":protocol"]
+            cases.append(([(n, b"GET" if n == b":method" else v) for n, v in get], 405))
+            configuration = QuicConfiguration(
+                is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
+            )
+            configuration.load_verify_locations(str(cert))
+            configuration.server_name = "localhost"
+            async with connect(
+                "127.0.0.1", proxy.port, configuration=configuration,
+                create_protocol=_RawProtocol,
+            ) as client:  # fmt: skip
+                assert isinstance(client, _RawProtocol)
+                for headers, status in cases:
+                    stream_id = client._quic.get_next_available_stream_id()
+                    future = asyncio.get_running_loop().create_future()
+                    client.responses[stream_id] = future
+                    client.h3.send_headers(stream_id, headers, end_stream=False)
+                    client.transmit()
+                    assert await asyncio.wait_for(future, 5) == status, headers
+            assert proxy.refused == {400: len(cases) - 1, 405: 1}
+            assert proxy.sockets_opened == 0 and echo.seen == 0
+
+    await asyncio.wait_for(run(), 10)
+
+
+# --- (c) an inner HTTP/3 request through the proxy ----------------------------------------------
+
+
+async def _hello_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    assert scope["type"] == "http"
+    body = f"hello over masque: {scope['method']} {scope['path']}".encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("mode", ["capsule", "datagram"])
+async def test_an_inner_http3_request_goes_through_the_proxy(mode: str) -> None:
+    cert, key = ensure_certificate()
+
+    async def run() -> None:
+        server = Http3Server(_hello_app, Http3Settings(str(cert), str(key)))
+        await server.start("127.0.0.1", 0)
+        try:
+            assert server.port is not None
+            async with _proxy([f"127.0.0.1:{server.port}"]) as proxy:
+                async with _tunnel(proxy, server.port, key=KEY, mode=mode) as tunnel:
+                    host, port = tunnel.local_address
+                    async with Http3Client(host, port, verify=str(cert)) as inner:
+                        response = await inner.request("GET", "/inner")
+                        assert response.status == 200
+                        assert await response.read() == b"hello over masque: GET /inner"
+                    # The inner QUIC packets crossed the tunnel, not a direct path.
+                    assert tunnel.sent_capsules + tunnel.sent_datagrams > 0
+                    assert tunnel.received_capsules + tunnel.received_datagrams > 0
+                assert proxy.sockets_opened == 1
+        finally:
+            server.close()
+
+    await asyncio.wait_for(run(), 10)
