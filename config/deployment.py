@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from config.quality import QualityFileError, load_measured
+from config.quality import MeasuredQuality
 from config.schema import (
     AdmissionSpec,
     Faults,
@@ -25,6 +26,8 @@ from config.schema import (
     Tier,
     TinyBuild,
 )
+
+S = TypeVar("S", bound=BaseModel)
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 
@@ -148,7 +151,11 @@ class Deployment:
 
 
 def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
-    path = Path(path)
+    return _read(Path(path), ModelsFile)
+
+
+def _read(path: Path, schema: type[S]) -> S:
+    """A YAML file read as `schema`; ConfigError naming the file and what is wrong."""
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -156,7 +163,7 @@ def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     try:
-        return ModelsFile.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {_describe(exc)}") from None
 
@@ -338,10 +345,7 @@ def _quality(
         }
         return _normalised(rows, "quality.tasks"), spec.quality.source
     path = base_dir / quality_file
-    try:
-        measured = load_measured(path)
-    except QualityFileError as exc:
-        raise ConfigError(str(exc)) from None
+    measured = _read(path, MeasuredQuality)
     rows = {}
     for task, row in measured.accuracy().items():
         if missing := [m for m in models if m not in row]:

@@ -4,11 +4,9 @@ file-wide table, which for the OPT sizes is seed 004's Table 1."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Score(BaseModel):
@@ -43,23 +41,3 @@ class MeasuredQuality(BaseModel):
 
     def describe(self) -> str:
         return f"measured {self.date} on {self.data} by `{self.command}`"
-
-
-class QualityFileError(ValueError):
-    pass
-
-
-def load_measured(path: str | Path) -> MeasuredQuality:
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise QualityFileError(f"{path}: cannot read: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise QualityFileError(f"{path}: not valid YAML: {exc}") from exc
-    try:
-        return MeasuredQuality.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise QualityFileError(f"{path}: {where}: {first['msg']}") from None

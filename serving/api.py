@@ -261,7 +261,9 @@ async def _serve_batch(
         for i, (shape, answer) in enumerate(zip(shapes, answers, strict=True))
     ]
     return WholeAnswer(
-        generations, shapes[0].batch(generations, choices), _headers(generations, raw)
+        generations,
+        shapes[0].batch(f"cmpl-{_tag(raw.scope).request_id}", generations, choices),
+        _headers(generations, raw),
     )
 
 
@@ -291,7 +293,9 @@ async def _start(
         path=path_of(raw.scope),
     )
     deadline = raw.scope["extensions"].get(DEADLINE)
-    return await gateway.start(request, body.sampling(), body.model, record, tag.api_key, deadline)
+    return await gateway.start(
+        request, body.sampling(), body.model, record, tag.api_key, deadline, index is None
+    )
 
 
 async def _all_started(starts: list[Awaitable[Generation]]) -> list[Generation]:
@@ -311,12 +315,15 @@ async def _all_started(starts: list[Awaitable[Generation]]) -> list[Generation]:
         raise
 
 
+def _served_by(generations: list[Generation]) -> tuple[str, str]:
+    """The models and the replicas that served, each once, in order, comma-separated."""
+    models = ",".join(dict.fromkeys(g.model for g in generations))
+    return models, ",".join(dict.fromkeys(g.replica.name for g in generations))
+
+
 def _headers(generations: list[Generation], raw: Request) -> dict[str, str]:
-    return {
-        "x-model": ",".join(dict.fromkeys(g.model for g in generations)),
-        "x-replica": ",".join(dict.fromkeys(g.replica.name for g in generations)),
-        "x-qos-class": _tag(raw.scope).qos_class or "",
-    }
+    model, replica = _served_by(generations)
+    return {"x-model": model, "x-replica": replica, "x-qos-class": _tag(raw.scope).qos_class or ""}
 
 
 @dataclasses.dataclass
@@ -403,12 +410,13 @@ class _Shape:
         body["usage"] = self.usage()
         return body
 
-    def batch(self, generations: list[Generation], choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def batch(
+        self, request_id: str, generations: list[Generation], choices: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """One completion for a batch of prompts: its id is the HTTP request's."""
         body = self._envelope("text_completion", choices)
-        body["id"] = body["id"].rsplit("-", 1)[0]
-        body["model"] = ",".join(dict.fromkeys(g.model for g in generations))
-        body["replica"] = ",".join(dict.fromkeys(g.replica.name for g in generations))
+        body["id"] = request_id
+        body["model"], body["replica"] = _served_by(generations)
         prompt = sum(g.prompt_tokens for g in generations)
         completion = sum(g.completion_tokens for g in generations)
         body["usage"] = {

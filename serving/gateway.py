@@ -88,13 +88,13 @@ class Overloaded(GatewayError):
     def __init__(self, shed: Shed, qos_class: str) -> None:
         if shed.answer:
             why = (
-                f"a {qos_class} answer of this length would take about {shed.estimate_s:.1f} s, "
+                f"a {qos_class} answer of this length would take about {shed.estimate_s:.2g} s, "
                 f"past the {shed.budget_s:g} s its SLO allows"
             )
         else:
             why = (
                 f"the first token of a {qos_class} request would come in about "
-                f"{shed.estimate_s:.1f} s, past the {shed.budget_s:g} s this class may wait"
+                f"{shed.estimate_s:.2g} s, past the {shed.budget_s:g} s this class may wait"
             )
         super().__init__(f"The server is overloaded: {why}. Retry in {shed.retry_after_s} s.")
         self.headers = {"Retry-After": str(shed.retry_after_s)}
@@ -141,6 +141,7 @@ class Gateway:
         record: RequestRecord | None = None,
         api_key: str | None = None,
         deadline: Callable[[float], None] | None = None,
+        sheddable: bool = True,
     ) -> Generation:
         """Dispatch `request` and wait for its first token. `record` is its account so far (the
         API's: how it arrived); the gateway and the generation fill in the rest. `api_key` (None:
@@ -148,6 +149,12 @@ class Gateway:
         schedules the response stream, takes the time by which its last token must be written:
         the budget the router computed over the client's path, where it computed one (one
         budget for both halves; the transport never lets it move earlier than the class's own).
+
+        `sheddable=False`: a prompt of a batch, which the door admitted with its batch
+        (`serving.api.ShedAtTheDoor`, once per HTTP request). It is routed where admission control
+        would send it, but not refused for the time its own siblings, sent together with it,
+        take: an lm-eval batch of 16 one-token prompts was shed on an idle server, each prompt
+        judged against the 40 ms one token's SLO allows with the other 15 ahead of it.
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
         that turns out to be down before producing anything is skipped, and the next choice tried.
@@ -170,9 +177,12 @@ class Gateway:
                 now = self.clock()
                 if self.deadline(request) <= now:
                     raise deadline_exceeded(request, self.deployment)
-                admitted = self.admission.check(request, self._view(model, skipped), now)
+                view = self._view(model, skipped)
+                admitted = self.admission.check(request, view, now)
                 if isinstance(admitted, Shed):
-                    raise Overloaded(admitted, request.qos_class)
+                    if sheddable:
+                        raise Overloaded(admitted, request.qos_class)
+                    admitted = view
                 index = self._route(request, model, rate, admitted)
                 expected = self.admission.expect(request, admitted, index)
             except GatewayError as exc:

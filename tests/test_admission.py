@@ -382,3 +382,22 @@ def test_a_saturated_replica_sheds_free_tier_and_serves_real_time(saturable_serv
 def _replicas(server: Server) -> list[str]:
     models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     return [r for m in models for r in m.get("replicas", [])]
+
+
+def test_a_batch_of_prompts_is_admitted_whole_not_shed_against_itself(
+    saturable_server: Server,
+) -> None:
+    """lm-eval sends 16 one-token prompts in one request. One at a time, 20 ms a token, the
+    later ones cannot make the 40 ms a one-token answer's SLO allows behind the earlier ones;
+    judged alone, each would be shed, and the batch fail, on an idle server. The door admits
+    the batch as one request, and its prompts are not judged against each other."""
+    server = saturable_server
+    replica = {"replica": next(iter(_replicas(server))), "model": "tiny-s"}
+    wait_until(lambda: server.metric("serving_engine_unfinished", **replica) == 0, 60, "idle")
+    body = {"prompt": [f"Question {i}: yes or no?" for i in range(16)], "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(16))
+    # Each prompt was a request of its own to the gateway, and each ended ok.
+    rid = r.headers["x-request-id"]
+    assert {server.logged(f"{rid}-{i}")["outcome"] for i in range(16)} == {"ok"}
