@@ -139,6 +139,10 @@ class Limits(Strict):
     """Requests in flight at once."""
 
 
+_TUNNEL_TARGET = r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]*]+):(\*|[0-9]{1,5})$"
+"""`host:port` or `host:*`: what `transport.masque.AllowList` reads (it checks the rest)."""
+
+
 class Tier(Strict):
     classes: list[str]
     default: str
@@ -151,6 +155,10 @@ class Tier(Strict):
     admin: bool = False
     """Keys of this tier may see the operator's pages (`/dashboard` and its feed) from anywhere;
     without one, only a client on the server's own machine (loopback) may."""
+    tunnels: list[Annotated[str, Field(pattern=_TUNNEL_TARGET)]] = []
+    """MASQUE: the UDP targets (`host:port`, `host:*`, IPv6 as `[addr]:port`) that keys of this
+    tier may reach through a CONNECT-UDP proxy (`python -m transport.frontend --masque`). Empty:
+    no tunnels (403). There is no wildcard host, so a proxy is never an open relay."""
 
     @model_validator(mode="after")
     def _default_granted(self) -> Tier:

@@ -32,6 +32,8 @@ METERED_KEY = "test-metered-key"
 SINGLE_KEY = "test-single-key"
 """One request in flight at a time."""
 EDGE_KEY = "test-edge-key"
+TUNNEL_KEY = "test-tunnel-key"
+"""May open MASQUE tunnels to any port on this machine (tier `tunnel`, `127.0.0.1:*`)."""
 STARTUP_TIMEOUT_S = 240
 
 
@@ -95,6 +97,8 @@ class Server:
     """`python -m serving --request-log`: one JSON line per request."""
     tls: bool = False
     """`--tls`: HTTPS on `port`, under the self-signed certificate."""
+    masque_port: int | None = None
+    """An edge's `--masque`: its CONNECT-UDP proxy's UDP port."""
 
     def requests_logged(self) -> list[dict]:
         assert self.request_log is not None, f"{self.name} keeps no request log"
@@ -256,7 +260,9 @@ def test_config(tmp_dir: Path, **extra_deployments: tuple[list[dict], dict]) -> 
         {"key": METERED_KEY, "tier": "anonymous", "limits": {"requests_per_s": 0.01, "burst": 2}},
         {"key": SINGLE_KEY, "tier": "anonymous", "limits": {"concurrent": 1}},
         {"key": EDGE_KEY, "tier": "edge"},
+        {"key": TUNNEL_KEY, "tier": "tunnel"},
     ]
+    spec["tiers"]["tunnel"]["tunnels"] = ["127.0.0.1:*", "localhost:*"]
     for name, (placement, deployment) in extra_deployments.items():
         spec["placements"][name] = placement
         spec["deployments"][name] = deployment
@@ -412,8 +418,9 @@ CERT = ROOT / ".certs" / "cert.pem"
 
 @pytest.fixture(scope="session")
 def frontend(server: Server, session_dir: Path) -> Iterator[Server]:
-    """`python -m transport.frontend` in front of the embedded server's HTTP/3 port."""
-    port, h3_port = free_port(), free_udp_port()
+    """`python -m transport.frontend` in front of the embedded server's HTTP/3 port, also a
+    MASQUE proxy on `masque_port`."""
+    port, h3_port, masque_port = free_port(), free_udp_port(), free_udp_port()
     edge = launch(
         "frontend",
         [
@@ -432,11 +439,14 @@ def frontend(server: Server, session_dir: Path) -> Iterator[Server]:
             str(port),
             "--h3-port",
             str(h3_port),
+            "--masque",
+            str(masque_port),
         ],
         port,
         "/healthz",
         session_dir,
         h3_port=h3_port,
     )
+    edge.masque_port = masque_port
     yield edge.wait_ready()
     edge.stop()

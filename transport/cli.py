@@ -102,7 +102,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
     if not args.drain_s >= 0:
         parser.exit(2, "error: --drain-s must be at least 0\n")
     for kind, port in (("tcp", args.port), ("udp", args.h3_port)):
-        if port and (problem := _cannot_listen(args.host, port, kind)):
+        if port and (problem := cannot_listen(args.host, port, kind)):
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
     listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s, args.tls)
@@ -117,7 +117,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
     )
 
 
-def _cannot_listen(host: str, port: int, kind: str) -> str | None:
+def cannot_listen(host: str, port: int, kind: str) -> str | None:
     try:
         if kind == "tcp":
             socket.create_server((host, port)).close()

@@ -28,13 +28,20 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transport.client import Http3Client, Response, StreamError
 from transport.eloquent import HEADER as ELOQUENT_HEADER
 from transport.http3 import DATAGRAMS, DatagramTap
+from transport.masque.access import TunnelAccess
+from transport.masque.proxy import MasqueProxy
 from transport.qos import EDGE_HEADERS, path_of, tag_of
 from transport.schedulers import StreamSpec
+
+if TYPE_CHECKING:
+    import argparse
+
+    from transport.cli import ServerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -315,8 +322,17 @@ def main() -> int:
         help="at most this many QUIC connections to the back-end: another opens when every one "
         "is at the back-end's stream limit (default: %(default)s)",
     )
+    parser.add_argument(
+        "--masque",
+        type=int,
+        metavar="UDP_PORT",
+        help="also be a MASQUE proxy (RFC 9298 CONNECT-UDP) on this UDP port, with HTTP/3's "
+        "certificate and scheduler: keys of models.yaml tiers with `tunnels:` may open tunnels "
+        "to those targets only",
+    )
     args = parser.parse_args()
     setup = prepare(parser, args)
+    masque = _masque_proxy(parser, args, setup) if args.masque else None
     classifier = QosClassifier.from_deployment(setup.deployment)
     edge_key = classifier.edge_key()
     if edge_key is None:
@@ -332,8 +348,42 @@ def main() -> int:
     proxy = EdgeProxy(pool, edge_key)
     app = TagRequests(BodyLimit(proxy, max_bytes=DEFAULT_MAX_BODY_BYTES), classifier.tag)
     server = DualServer(app, setup.listen, setup.http3(classifier.tag), log_level=args.log_level)
-    asyncio.run(serve_forever(server))
+
+    async def run() -> None:
+        if masque is not None:
+            await masque.start()
+            logger.info("MASQUE CONNECT-UDP proxy on udp %s:%d", masque.host, masque.port)
+        try:
+            await serve_forever(server)
+        finally:
+            if masque is not None:
+                masque.close()
+
+    asyncio.run(run())
     return 0
+
+
+def _masque_proxy(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, setup: ServerSetup
+) -> MasqueProxy:
+    """The proxy `--masque` asks for, or exit 2 with one line on what is wrong."""
+    from transport.cli import cannot_listen
+
+    if problem := cannot_listen(args.host, args.masque, "udp"):
+        parser.exit(2, f"error: cannot listen on udp {args.host}:{args.masque}: {problem}\n")
+    try:
+        access = TunnelAccess.from_deployment(setup.deployment)
+    except ValueError as error:
+        parser.exit(2, f"error: {error}\n")
+    if not any(allow.entries for allow in access.keys.values()):
+        logger.warning(
+            "--masque: no key of a tier with `tunnels:` is set (models.yaml; QOS_TUNNEL_KEY): "
+            "every tunnel will be refused"
+        )
+    return MasqueProxy(
+        access, certfile=setup.certfile, keyfile=setup.keyfile, host=args.host,
+        port=args.masque, scheduler=setup.scheduler,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

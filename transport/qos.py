@@ -211,7 +211,7 @@ class QosClassifier:
                     f"tier {tier_name!r} grants {', '.join(tier.classes)}.",
                 )
             return Classification(wanted, tier_name, api_key)
-        urgency = _urgency(headers.get("priority"))
+        urgency = urgency_of(headers.get("priority"))
         if urgency is not None:
             nearest = min(
                 tier.classes,
@@ -353,7 +353,7 @@ class TagRequests:
         await self.app(scope, receive, send_with_id)
 
 
-def _urgency(priority: str | None) -> int | None:
+def urgency_of(priority: str | None) -> int | None:
     """The urgency of an RFC 9218 priority field value; None if absent or unreadable, as the RFC
     says a server must ignore what it cannot parse."""
     if not priority:

@@ -7,10 +7,14 @@ sans-IO; `proxy` and `tunnel` run it on plain aioquic.
   HTTP Datagram Payload (context ID, then the UDP payload).
 - `connect_udp`: checking an Extended CONNECT request for `connect-udp` against the default
   URI template, the allow-list of targets, and the template's path for a client.
+- `access`: `TunnelAccess`, who may open tunnels to where (models.yaml's tiers and keys), and
+  each tunnel's `StreamSpec` (its RFC 9218 `priority` header, or its owner's class).
 - `proxy`: `MasqueProxy`, the CONNECT-UDP proxy (keys, allow-lists, capsules and HTTP/3
-  datagrams both ways); `python -m transport.masque.proxy`.
-- `tunnel`: `UdpTunnel`, the client side: a local UDP socket that an inner QUIC connection
-  uses as its network, carried through the proxy.
+  datagrams both ways, tunnels scheduled on each client connection);
+  `python -m transport.masque.proxy`, or `python -m transport.frontend --masque PORT`.
+- `tunnel`: `MasqueClient`, the client side: one connection to the proxy, its tunnels scheduled
+  as streams, each a local UDP socket that an inner QUIC connection uses as its network;
+  `UdpTunnel`, one tunnel on a connection of its own.
 """
 
 from transport.masque.capsule import (

@@ -8,16 +8,27 @@ ENABLE_WEBTRANSPORT; we never act on WebTransport streams.)
 
 A request is handled in this order, so that nothing about targets leaks to a caller without a key:
 
-1. `authorization: Bearer <key>`: missing, not Bearer, or an unknown key -> 401 (with
-   `www-authenticate: Bearer`).
+1. `TunnelAccess.grant` (`access.py`): `authorization: Bearer <key>` missing, not Bearer, or an
+   unknown key -> 401 (with `www-authenticate: Bearer`); an `x-qos-class` the key's tier does
+   not grant -> 403.
 2. `parse_connect_udp`: the request must be an Extended CONNECT for `connect-udp` on the default
    template with `capsule-protocol: ?1`; otherwise its status (400, or 405 with `allow: CONNECT`).
-3. The key's `AllowList` must allow the target -> else 403. A key mapped to an empty list has no
-   tunnel rights at all. There is no wildcard host, so this is never an open relay.
+3. The key's `AllowList` must allow the target -> else 403. A key mapped to an empty list (a tier
+   without `tunnels:` in models.yaml) has no tunnel rights at all. There is no wildcard host, so
+   this is never an open relay.
 4. A connected UDP socket (asyncio datagram endpoint) to the target; if that fails (say the name
    does not resolve) -> 502. Only then 200 with `capsule-protocol: ?1`.
 
-No UDP socket is opened before step 4 (`MasqueProxy.sockets_opened` counts them). Relaying:
+No UDP socket is opened before step 4 (`MasqueProxy.sockets_opened` counts them).
+
+Scheduling: every client connection is a `ScheduledQuicConnection` (`scheduler=`, as the HTTP/3
+servers here), and each tunnel's stream is tagged with its grant's `StreamSpec` (its `priority`
+header, or its owner's class) when its request arrives. In capsule mode a tunnel's packets to the
+client are that stream's bytes, so the scheduler orders tunnels against each other exactly as it
+orders requests; HTTP/3 datagrams are outside any stream and go first (aioquic sends DATAGRAM
+frames before stream data). The client orders its own uploads the same way (`tunnel.py`).
+
+Relaying:
 
 - client -> target: DATAGRAM capsules (context 0) in the request stream's DATA, cut by
   `CapsuleParser`; and HTTP/3 datagrams (`DatagramReceived` with the stream's id). Other capsule
@@ -25,18 +36,23 @@ No UDP socket is opened before step 4 (`MasqueProxy.sockets_opened` counts them)
   capsule stream resets the stream with H3_MESSAGE_ERROR.
 - target -> client: in the mode the client last used. A tunnel starts in capsule mode and
   switches to HTTP/3 datagrams once the client sent one; a payload too large for one QUIC
-  DATAGRAM frame (`MAX_H3_DATAGRAM_PAYLOAD`) still goes as a capsule, because aioquic never sends
-  an over-large datagram and it blocks every datagram queued behind it (FACTS).
+  DATAGRAM frame (`datagram_limit`: 1,100 bytes at aioquic's default 1,200-byte packets) still
+  goes as a capsule, because aioquic never sends an over-large datagram and it blocks every
+  datagram queued behind it (FACTS). An inner QUIC connection's packets are 1,200 bytes, so they
+  ride as datagrams only where the outer connection's packets are larger (`max_datagram_size`,
+  say 1,452 on a path with a 1,500-byte MTU).
 
 The UDP socket closes when the client ends or resets the stream, when the connection closes, or
 when the proxy closes. Packets that arrive before the socket is open (a client may send capsules
 right after its request) wait in a short queue (`_EARLY_PACKETS`).
 
-Not done: the `priority` header (aioquic has no RFC 9218), per-key rate or byte limits,
+Not done: priority updates (RFC 9218's PRIORITY_UPDATE frame; aioquic has no RFC 9218), per-key
+rate or byte limits,
 send-side backpressure (a flood from the target grows the stream's send buffer; UDP would drop),
 other URI templates, and context ids other than 0 (compression, RFC 9298 §4 extensions).
 
-CLI: `python -m transport.masque.proxy --port 4433 --allow 127.0.0.1:5353 --key KEY`.
+CLI: `python -m transport.masque.proxy --port 4433 --allow 127.0.0.1:5353 --key KEY`, or with
+models.yaml's tiers and keys, `python -m transport.frontend --masque 4434`.
 """
 
 from __future__ import annotations
@@ -44,11 +60,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio import QuicConnectionProtocol, serve
 from aioquic.asyncio.server import QuicServer
@@ -57,6 +72,8 @@ from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersRe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
+from transport.connection import ScheduledQuicConnection, adopt
+from transport.masque.access import TunnelAccess, TunnelDenied
 from transport.masque.capsule import (
     CapsuleError,
     CapsuleParser,
@@ -74,19 +91,34 @@ from transport.masque.connect_udp import (
 
 log = logging.getLogger(__name__)
 
-MAX_H3_DATAGRAM_PAYLOAD = 1100
-"""The largest HTTP Datagram Payload sent as a QUIC DATAGRAM frame; larger ones go as capsules.
-aioquic drops nothing over `max_datagram_size - 30` (about 1170 at the default 1200) but never
-sends it either, and it blocks the queue behind it (FACTS), so stay clearly under."""
+_DATAGRAM_HEADROOM = 100
+"""Bytes of a QUIC packet that an HTTP/3 datagram cannot use: the short header, the AEAD tag,
+the DATAGRAM frame's type and length, and the quarter stream id. aioquic drops nothing over
+`max_datagram_size - 30` but never sends it either, and it blocks the queue behind it (FACTS),
+so stay clearly under."""
+
+MAX_H3_DATAGRAM_PAYLOAD = 1200 - _DATAGRAM_HEADROOM
+"""`datagram_limit` at aioquic's default packet size."""
+
+
+def datagram_limit(configuration: QuicConfiguration) -> int:
+    """The largest HTTP Datagram Payload sent as a QUIC DATAGRAM frame on a connection with this
+    configuration; larger ones go as capsules."""
+    return configuration.max_datagram_size - _DATAGRAM_HEADROOM
+
 
 _EARLY_PACKETS = 64
 """UDP payloads held per tunnel while its socket is still opening; more are dropped."""
 
 
-def server_configuration(certfile: Path | str, keyfile: Path | str) -> QuicConfiguration:
+def server_configuration(
+    certfile: Path | str, keyfile: Path | str, max_datagram_size: int | None = None
+) -> QuicConfiguration:
     configuration = QuicConfiguration(
         is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
     )
+    if max_datagram_size is not None:
+        configuration.max_datagram_size = max_datagram_size
     configuration.load_cert_chain(str(certfile), str(keyfile))
     return configuration
 
@@ -140,7 +172,7 @@ class _Tunnel:
         self.to_client_count += 1
         h3 = self.protocol.h3
         payload = udp_payload(0, data)
-        if self.datagram_mode and len(payload) <= MAX_H3_DATAGRAM_PAYLOAD:
+        if self.datagram_mode and len(payload) <= self.protocol.proxy.datagram_limit:
             h3.send_datagram(self.stream_id, payload)
         else:
             h3.send_data(self.stream_id, udp_capsule(data), end_stream=False)
@@ -156,8 +188,8 @@ class _Tunnel:
 
 
 class _ProxyProtocol(QuicConnectionProtocol):
-    def __init__(self, *args: Any, proxy: MasqueProxy, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, quic: Any, *args: Any, proxy: MasqueProxy, **kwargs: Any) -> None:
+        super().__init__(adopt(quic, proxy.scheduler), *args, **kwargs)
         self.proxy = proxy
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.tunnels: dict[int, _Tunnel] = {}
@@ -240,10 +272,15 @@ class _ProxyProtocol(QuicConnectionProtocol):
         if stream_id in self.tunnels:
             return  # trailers on a tunnel: nothing to do
         headers = event.headers
-        allow = self.proxy.authorize(headers)
-        if allow is None:
-            self.proxy.refused[401] = self.proxy.refused.get(401, 0) + 1
-            self._respond(stream_id, 401, [(b"www-authenticate", b"Bearer")])
+        named = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+        if sum(1 for name, _ in headers if name == b"authorization") > 1:
+            named["authorization"] = ""  # which one would count? Neither: 401
+        try:
+            grant = self.proxy.access.grant(named, self._loop.time())
+        except TunnelDenied as denied:
+            self.proxy.refused[denied.status] = self.proxy.refused.get(denied.status, 0) + 1
+            extra = [(b"www-authenticate", b"Bearer")] if denied.status == 401 else []
+            self._respond(stream_id, denied.status, extra)
             return
         try:
             target = parse_connect_udp(headers)
@@ -254,10 +291,12 @@ class _ProxyProtocol(QuicConnectionProtocol):
             extra = [(b"allow", b"CONNECT")] if error.status == 405 else []
             self._respond(stream_id, error.status, extra)
             return
-        if not allow.allows(target):
+        if not grant.allow.allows(target):
             self.proxy.refused[403] = self.proxy.refused.get(403, 0) + 1
             self._respond(stream_id, 403)
             return
+        # Tagged now, so that the 200 and every capsule after it are scheduled as the tunnel's.
+        cast(ScheduledQuicConnection, self._quic).set_stream_spec(stream_id, grant.spec)
         tunnel = _Tunnel(self, stream_id, target)
         self.tunnels[stream_id] = tunnel
         task = asyncio.get_running_loop().create_task(self._open(tunnel))
@@ -288,23 +327,30 @@ class _ProxyProtocol(QuicConnectionProtocol):
 
 
 class MasqueProxy:
-    """`async with MasqueProxy(keys, certfile=..., keyfile=...) as proxy:` serves on `proxy.port`.
+    """`async with MasqueProxy(access, certfile=..., keyfile=...) as proxy:` serves on
+    `proxy.port`.
 
-    `keys` maps each API key to the targets it may reach (an empty `AllowList` for a key that
-    may open no tunnel)."""
+    `access`: a `TunnelAccess` (`TunnelAccess.from_deployment` for models.yaml's tiers), or a
+    mapping of each API key to the targets it may reach (an empty `AllowList` for a key that may
+    open no tunnel). `scheduler` orders the tunnels' streams on every client connection;
+    `max_datagram_size` is the QUIC packet size towards clients (aioquic's 1,200 by default)."""
 
     def __init__(
         self,
-        keys: Mapping[str, AllowList],
+        access: TunnelAccess | Mapping[str, AllowList],
         *,
         certfile: Path | str,
         keyfile: Path | str,
         host: str = "127.0.0.1",
         port: int = 0,
+        scheduler: str = "rr",
+        max_datagram_size: int | None = None,
     ) -> None:
-        self.keys = dict(keys)
+        self.access = access if isinstance(access, TunnelAccess) else TunnelAccess.from_keys(access)
+        self.scheduler = scheduler
         self.host, self.port = host, port
-        self._configuration = server_configuration(certfile, keyfile)
+        self._configuration = server_configuration(certfile, keyfile, max_datagram_size)
+        self.datagram_limit = datagram_limit(self._configuration)
         self._server: QuicServer | None = None
         self._protocols: set[_ProxyProtocol] = set()
         self.sockets_opened = 0
@@ -312,21 +358,6 @@ class MasqueProxy:
         self.sockets_closed = 0
         self.refused: dict[int, int] = {}
         """Requests answered with each refusal status."""
-
-    def authorize(self, headers: list[tuple[bytes, bytes]]) -> AllowList | None:
-        """The caller's AllowList, or None when it sent no valid `authorization: Bearer` key."""
-        values = [value for name, value in headers if name == b"authorization"]
-        if len(values) != 1:
-            return None
-        scheme, _, token = values[0].decode("latin-1").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
-        token = token.strip()
-        found: AllowList | None = None
-        for key, allow in self.keys.items():  # compare against every key, in constant time
-            if hmac.compare_digest(key.encode(), token.encode()):
-                found = allow
-        return found
 
     @property
     def open_tunnels(self) -> int:
