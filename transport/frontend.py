@@ -327,8 +327,8 @@ def main() -> int:
         type=int,
         metavar="UDP_PORT",
         help="also be a MASQUE proxy (RFC 9298 CONNECT-UDP) on this UDP port, with HTTP/3's "
-        "certificate and scheduler: keys of models.yaml tiers with `tunnels:` may open tunnels "
-        "to those targets only",
+        "certificate, scheduler and --max-streams (tunnels a connection may hold at once): keys "
+        "of models.yaml tiers with `tunnels:` may open tunnels to those targets only",
     )
     args = parser.parse_args()
     setup = prepare(parser, args)
@@ -382,7 +382,7 @@ def _masque_proxy(
         )
     return MasqueProxy(
         access, certfile=setup.certfile, keyfile=setup.keyfile, host=args.host,
-        port=args.masque, scheduler=setup.scheduler,
+        port=args.masque, scheduler=setup.scheduler, max_tunnels=setup.max_streams,
     )  # fmt: skip
 
 

@@ -65,14 +65,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from aioquic.asyncio import QuicConnectionProtocol, serve
+from aioquic.asyncio import serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
-from transport.connection import ScheduledQuicConnection, adopt
+from transport.connection import (
+    CoalescingProtocol,
+    ScheduledQuicConnection,
+    adopt,
+    widen_receive_buffer,
+)
 from transport.masque.access import TunnelAccess, TunnelDenied
 from transport.masque.capsule import (
     CapsuleError,
@@ -112,11 +117,15 @@ _EARLY_PACKETS = 64
 
 
 def server_configuration(
-    certfile: Path | str, keyfile: Path | str, max_datagram_size: int | None = None
+    certfile: Path | str,
+    keyfile: Path | str,
+    max_datagram_size: int | None = None,
+    congestion_control: str = "reno",
 ) -> QuicConfiguration:
     configuration = QuicConfiguration(
-        is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
-    )
+        is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536,
+        congestion_control_algorithm=congestion_control,
+    )  # fmt: skip
     if max_datagram_size is not None:
         configuration.max_datagram_size = max_datagram_size
     configuration.load_cert_chain(str(certfile), str(keyfile))
@@ -161,6 +170,8 @@ class _Tunnel:
         self.transport.sendto(payload)
 
     def opened(self, transport: asyncio.DatagramTransport) -> None:
+        # A target's burst is read one datagram per loop pass: a deep buffer rides it out.
+        widen_receive_buffer(transport.get_extra_info("socket"))
         self.transport = transport
         early, self.early = self.early, []
         for payload in early:
@@ -176,7 +187,7 @@ class _Tunnel:
             h3.send_datagram(self.stream_id, payload)
         else:
             h3.send_data(self.stream_id, udp_capsule(data), end_stream=False)
-        self.protocol.transmit()
+        self.protocol.transmit_soon()
 
     def close(self) -> None:
         if self.closed:
@@ -187,9 +198,13 @@ class _Tunnel:
             self.protocol.proxy.sockets_closed += 1
 
 
-class _ProxyProtocol(QuicConnectionProtocol):
+class _ProxyProtocol(CoalescingProtocol):
     def __init__(self, quic: Any, *args: Any, proxy: MasqueProxy, **kwargs: Any) -> None:
         super().__init__(adopt(quic, proxy.scheduler), *args, **kwargs)
+        # aioquic has no setting for it (as in transport.http3): a tunnel is a stream, so this
+        # is how many tunnels one client connection may hold open at once.
+        limit = self._quic._local_max_streams_bidi
+        limit.value = limit.sent = proxy.max_tunnels
         self.proxy = proxy
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.tunnels: dict[int, _Tunnel] = {}
@@ -333,7 +348,10 @@ class MasqueProxy:
     `access`: a `TunnelAccess` (`TunnelAccess.from_deployment` for models.yaml's tiers), or a
     mapping of each API key to the targets it may reach (an empty `AllowList` for a key that may
     open no tunnel). `scheduler` orders the tunnels' streams on every client connection;
-    `max_datagram_size` is the QUIC packet size towards clients (aioquic's 1,200 by default)."""
+    `max_datagram_size` is the QUIC packet size towards clients (aioquic's 1,200 by default);
+    `congestion_control` is aioquic's name for it ("reno", its default, or "cubic");
+    `max_tunnels` is how many tunnels one client connection may have open at once (QUIC's
+    MAX_STREAMS: a client past it waits for one to close)."""
 
     def __init__(
         self,
@@ -345,11 +363,16 @@ class MasqueProxy:
         port: int = 0,
         scheduler: str = "rr",
         max_datagram_size: int | None = None,
+        congestion_control: str = "reno",
+        max_tunnels: int = 128,
     ) -> None:
         self.access = access if isinstance(access, TunnelAccess) else TunnelAccess.from_keys(access)
         self.scheduler = scheduler
+        self.max_tunnels = max_tunnels
         self.host, self.port = host, port
-        self._configuration = server_configuration(certfile, keyfile, max_datagram_size)
+        self._configuration = server_configuration(
+            certfile, keyfile, max_datagram_size, congestion_control
+        )
         self.datagram_limit = datagram_limit(self._configuration)
         self._server: QuicServer | None = None
         self._protocols: set[_ProxyProtocol] = set()
@@ -373,7 +396,9 @@ class MasqueProxy:
             self.host, self.port, configuration=self._configuration,
             create_protocol=create_protocol,
         )  # fmt: skip
-        self.port = self._server._transport.get_extra_info("sockname")[1]
+        sock = self._server._transport.get_extra_info("socket")
+        widen_receive_buffer(sock)
+        self.port = sock.getsockname()[1]
 
     def close(self) -> None:
         for protocol in list(self._protocols):

@@ -42,13 +42,18 @@ import ssl
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.asyncio import connect
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
-from transport.connection import ScheduledQuicConnection, adopt
+from transport.connection import (
+    CoalescingProtocol,
+    ScheduledQuicConnection,
+    adopt,
+    widen_receive_buffer,
+)
 from transport.masque.capsule import (
     CapsuleError,
     CapsuleParser,
@@ -80,7 +85,7 @@ class TunnelClosed(Exception):
     """The tunnel's stream or connection ended."""
 
 
-class _ProxyClientProtocol(QuicConnectionProtocol):
+class _ProxyClientProtocol(CoalescingProtocol):
     def __init__(self, quic: Any, *args: Any, scheduler: str, **kwargs: Any) -> None:
         super().__init__(adopt(quic, scheduler), *args, **kwargs)
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
@@ -122,7 +127,8 @@ class MasqueClient:
 
     `scheduler` orders the tunnels' streams (a registry name of `transport.schedulers`);
     `max_datagram_size` is the outer connection's QUIC packet size (aioquic's 1,200 by default;
-    larger leaves room for an inner connection's 1,200-byte packets as HTTP/3 datagrams)."""
+    larger leaves room for an inner connection's 1,200-byte packets as HTTP/3 datagrams);
+    `congestion_control` is aioquic's name for it ("reno", its default, or "cubic")."""
 
     def __init__(
         self,
@@ -134,13 +140,15 @@ class MasqueClient:
         server_name: str | None = None,
         scheduler: str = "rr",
         max_datagram_size: int | None = None,
+        congestion_control: str = "reno",
     ) -> None:
         self.host, self.port = host, port
         self.key = key
         self.scheduler = scheduler
         self._configuration = QuicConfiguration(
-            is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536
-        )
+            is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536,
+            congestion_control_algorithm=congestion_control,
+        )  # fmt: skip
         if max_datagram_size is not None:
             self._configuration.max_datagram_size = max_datagram_size
         if verify is False:
@@ -173,6 +181,7 @@ class MasqueClient:
         )  # fmt: skip
         protocol = await self._context.__aenter__()
         assert isinstance(protocol, _ProxyClientProtocol)
+        widen_receive_buffer(protocol._transport.get_extra_info("socket"))
         self.protocol = protocol
 
     async def open_tunnel(
@@ -185,9 +194,15 @@ class MasqueClient:
         mode: Mode = "capsule",
         local_port: int = 0,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
+        timeout_s: float | None = 30.0,
     ) -> Tunnel:
         """A tunnel to `target_host:target_port`, open (its local socket bound) once the proxy
-        said 2xx; `TunnelRefused` otherwise, `TunnelClosed` if the connection went first."""
+        said 2xx; `TunnelRefused` otherwise, `TunnelClosed` if the connection went first.
+
+        A connection holds as many tunnels at once as the proxy allows (QUIC's MAX_STREAMS;
+        `MasqueProxy`'s `max_tunnels`, 128 by default); past that a request waits for one to
+        close. `TimeoutError` if no answer came within `timeout_s` (None: wait for ever), with
+        the count of open tunnels and the proxy's limit when that is why."""
         protocol = self.protocol
         if protocol is None:
             raise RuntimeError("MasqueClient is not connected; use `async with`")
@@ -215,7 +230,16 @@ class MasqueClient:
         protocol.h3.send_headers(stream_id, headers + (extra_headers or []), end_stream=False)
         protocol.transmit()
         try:
-            await tunnel._open(local_port)
+            await asyncio.wait_for(tunnel._open(local_port), timeout_s)
+        except TimeoutError:
+            limit = protocol.quic._remote_max_streams_bidi
+            waiting = stream_id // 4 >= limit  # client bidi stream n is id 4n
+            await tunnel.aclose()
+            why = (
+                f": this connection is at the proxy's limit of {limit} tunnels at once"
+                if waiting else ""
+            )  # fmt: skip
+            raise TimeoutError(f"no answer to CONNECT-UDP within {timeout_s} s{why}") from None
         except BaseException:
             await tunnel.aclose()
             raise
@@ -268,6 +292,7 @@ class Tunnel:
         self._local, _ = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: _LocalProtocol(self), local_addr=("127.0.0.1", local_port)
         )
+        widen_receive_buffer(self._local.get_extra_info("socket"))
 
     def send(self, data: bytes) -> None:
         """Send one UDP payload to the target (dropped once the tunnel has closed)."""
@@ -281,7 +306,7 @@ class Tunnel:
         else:
             protocol.h3.send_data(self.stream_id, udp_capsule(data), end_stream=False)
             self.sent_capsules += 1
-        protocol.transmit()
+        protocol.transmit_soon()
 
     async def recv(self) -> bytes:
         """The next UDP payload from the target that no local peer took."""
