@@ -11,6 +11,8 @@ them; (c) an inner HTTP/3 request (the repo's `Http3Client`) through the tunnel 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +25,7 @@ from aioquic.h3.events import HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
+from tests.conftest import ROOT, free_udp_port
 from transport.client import Http3Client
 from transport.http3 import Http3Server, Http3Settings
 from transport.masque import AllowList
@@ -273,6 +276,75 @@ async def test_past_the_proxys_tunnel_limit_a_tunnel_waits_then_says_why() -> No
             assert await asyncio.wait_for(third.recv(), 5) == b"echo:ping"
 
     await asyncio.wait_for(run(), 20)
+
+
+async def test_a_quiet_tunnel_stays_open_past_the_idle_timeout() -> None:
+    """The client's PINGs keep a live proxy's connection from timing out while nothing flows."""
+    cert, _ = ensure_certificate()
+
+    async def run() -> None:
+        async with (
+            _echo_server() as (echo_port, _),
+            _proxy([f"127.0.0.1:{echo_port}"]) as proxy,
+            MasqueClient(
+                "127.0.0.1", proxy.port, key=KEY, verify=str(cert), idle_timeout_s=1.0
+            ) as client,
+        ):
+            tunnel = await client.open_tunnel("127.0.0.1", echo_port)
+            await asyncio.sleep(3.0)
+            assert tunnel.closed is None
+            tunnel.send(b"still here")
+            assert await asyncio.wait_for(tunnel.recv(), 5) == b"echo:still here"
+
+    await asyncio.wait_for(run(), 20)
+
+
+async def test_a_proxy_that_dies_ends_its_tunnels_within_the_idle_timeout() -> None:
+    """SIGKILL sends no CONNECTION_CLOSE: the tunnel learns of it from the idle timeout, here
+    2 s, not aioquic's default 60 s, and `recv()` says so instead of waiting for ever."""
+    cert, _ = ensure_certificate()
+    port = free_udp_port()
+
+    async def run() -> None:
+        async with _echo_server() as (echo_port, _):
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "transport.masque.proxy", "--port", str(port),
+                 "--allow", f"127.0.0.1:{echo_port}", "--key", KEY],
+                cwd=ROOT, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                client = MasqueClient(
+                    "127.0.0.1", port, key=KEY, verify=str(cert), idle_timeout_s=2.0
+                )
+                deadline = time.monotonic() + 20
+                while True:  # the proxy process is starting
+                    try:
+                        await asyncio.wait_for(client.connect(), 2)
+                        break
+                    except (OSError, TimeoutError, ConnectionError):
+                        await client.aclose()
+                        assert time.monotonic() < deadline, "the proxy did not start"
+                        client = MasqueClient(
+                            "127.0.0.1", port, key=KEY, verify=str(cert), idle_timeout_s=2.0
+                        )
+                try:
+                    tunnel = await client.open_tunnel("127.0.0.1", echo_port)
+                    tunnel.send(b"a")
+                    assert await asyncio.wait_for(tunnel.recv(), 5) == b"echo:a"
+                    proxy.kill()
+                    proxy.wait()
+                    killed = time.monotonic()
+                    tunnel.send(b"b")
+                    with pytest.raises(TunnelClosed, match="Idle timeout"):
+                        await asyncio.wait_for(tunnel.recv(), 15)
+                    assert time.monotonic() - killed < 8
+                finally:
+                    await client.aclose()
+            finally:
+                proxy.kill()
+                proxy.wait()
+
+    await asyncio.wait_for(run(), 60)
 
 
 # --- (b) access control and malformed requests --------------------------------------------------

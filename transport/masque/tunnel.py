@@ -128,7 +128,12 @@ class MasqueClient:
     `scheduler` orders the tunnels' streams (a registry name of `transport.schedulers`);
     `max_datagram_size` is the outer connection's QUIC packet size (aioquic's 1,200 by default;
     larger leaves room for an inner connection's 1,200-byte packets as HTTP/3 datagrams);
-    `congestion_control` is aioquic's name for it ("reno", its default, or "cubic")."""
+    `congestion_control` is aioquic's name for it ("reno", its default, or "cubic").
+
+    `idle_timeout_s`: a proxy that dies sends no CONNECTION_CLOSE, so its tunnels would wait
+    out aioquic's 60 s idle timeout. Here the connection's idle timeout is shorter and a PING
+    goes out every third of it, so a live proxy keeps a quiet tunnel open and a dead one ends
+    every tunnel (`TunnelClosed`) within about `idle_timeout_s`."""
 
     def __init__(
         self,
@@ -141,13 +146,15 @@ class MasqueClient:
         scheduler: str = "rr",
         max_datagram_size: int | None = None,
         congestion_control: str = "reno",
+        idle_timeout_s: float = 10.0,
     ) -> None:
         self.host, self.port = host, port
         self.key = key
         self.scheduler = scheduler
+        self.idle_timeout_s = idle_timeout_s
         self._configuration = QuicConfiguration(
             is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536,
-            congestion_control_algorithm=congestion_control,
+            congestion_control_algorithm=congestion_control, idle_timeout=idle_timeout_s,
         )  # fmt: skip
         if max_datagram_size is not None:
             self._configuration.max_datagram_size = max_datagram_size
@@ -158,6 +165,7 @@ class MasqueClient:
         self._configuration.server_name = server_name or host
         self.datagram_limit = datagram_limit(self._configuration)
         self._context: Any = None
+        self._keep_alive: asyncio.Task[None] | None = None
         self.protocol: _ProxyClientProtocol | None = None
 
     async def __aenter__(self) -> MasqueClient:
@@ -183,6 +191,15 @@ class MasqueClient:
         assert isinstance(protocol, _ProxyClientProtocol)
         widen_receive_buffer(protocol._transport.get_extra_info("socket"))
         self.protocol = protocol
+        self._keep_alive = asyncio.get_running_loop().create_task(self._ping_while_open())
+
+    async def _ping_while_open(self) -> None:
+        uid = 0
+        while (protocol := self.protocol) is not None and not protocol._closed.is_set():
+            await asyncio.sleep(self.idle_timeout_s / 3)
+            uid += 1
+            protocol.quic.send_ping(uid)
+            protocol.transmit()
 
     async def open_tunnel(
         self,
@@ -246,6 +263,9 @@ class MasqueClient:
         return tunnel
 
     async def aclose(self) -> None:
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            self._keep_alive = None
         protocol = self.protocol
         if protocol is not None:
             for tunnel in list(protocol.tunnels.values()):
