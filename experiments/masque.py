@@ -124,7 +124,7 @@ class Record:
     """From the tunnel's CONNECT until its inner connection's handshake was done."""
 
 
-def urgency_of(priority: int) -> int:
+def seed_urgency(priority: int) -> int:
     """The seed's priority (1 to 10, 10 most urgent) as an RFC 9218 urgency (0 most urgent)."""
     return round((10 - priority) * 7 / 9)
 
@@ -165,7 +165,7 @@ async def client(
         async def tunnel(group: int) -> None:
             start = time.monotonic()
             spec = StreamSpec(priority=group) if setup.name == "nested" else None
-            urgency = urgency_of(group) if setup.name == "nested" else None
+            urgency = seed_urgency(group) if setup.name == "nested" else None
             opened = None
             try:
                 opened = await masque.open_tunnel(

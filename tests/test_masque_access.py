@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from config import ConfigError, load_deployment
-from transport.masque.access import TunnelAccess, TunnelDenied, TunnelGrant
+from transport.masque.access import TunnelAccess, TunnelGrant
 from transport.masque.connect_udp import UdpTarget
+from transport.qos import QosRejected
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +51,7 @@ def test_a_tier_without_tunnels_gets_an_empty_allow_list(access: TunnelAccess) -
 @pytest.mark.parametrize("authorization", [None, "Bearer nope", "Basic tunnel-s3cret", "Bearer "])
 def test_no_known_bearer_key_is_401(access: TunnelAccess, authorization: str | None) -> None:
     headers = {} if authorization is None else {"authorization": authorization}
-    with pytest.raises(TunnelDenied) as denied:
+    with pytest.raises(QosRejected) as denied:
         access.grant(headers, 0.0)
     assert denied.value.status == 401
 
@@ -71,10 +72,10 @@ def test_without_a_priority_header_the_owners_class_decides(access: TunnelAccess
 
 
 def test_a_class_the_tier_does_not_grant_is_refused(access: TunnelAccess) -> None:
-    with pytest.raises(TunnelDenied) as denied:
+    with pytest.raises(QosRejected) as denied:
         _grant(access, "edge-s3cret", x_qos_class="real-time")  # edge grants free-tier only
     assert denied.value.status == 403
-    with pytest.raises(TunnelDenied) as denied:
+    with pytest.raises(QosRejected) as denied:
         _grant(access, "tunnel-s3cret", x_qos_class="no-such-class")
     assert denied.value.status == 400
 

@@ -68,7 +68,8 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class QosRejected(Exception):
-    """The headers ask for something the key does not allow; `status` is 401 or 403."""
+    """The headers ask for something the key does not allow: `status` is 401 or 403, or 400
+    for a class that does not exist."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

@@ -4,7 +4,8 @@ The proxy asks `grant(headers)` for every Extended CONNECT request, before it lo
 target, so a caller without a key learns nothing about targets:
 
 - no `authorization: Bearer <key>`, or a key this proxy does not know -> 401;
-- an `x-qos-class` the key's tier does not grant -> 403 (unknown class: 400), as for requests;
+- an `x-qos-class` the key's tier does not grant -> 403 (unknown class: 400), as for requests:
+  the same `QosRejected` that `transport.qos` raises for them;
 - otherwise a `TunnelGrant`: the targets the key's tier may reach (`AllowList`; empty: 403 for
   every target) and the `StreamSpec` that orders the tunnel's stream among the others on the
   client-proxy connection.
@@ -16,7 +17,7 @@ scheduler's level and EDF's deadline, counted from when the tunnel opened and so
 long-lived: past its deadline it is demoted, never cut).
 
 From models.yaml (`TunnelAccess.from_deployment`): the tiers' `tunnels:` lists and their keys.
-Or plainly, keys to allow-lists (`TunnelAccess.from_keys`), every tunnel at the default urgency.
+Or plainly, keys to allow-lists (`TunnelAccess(keys)`), every tunnel at the default urgency.
 """
 
 from __future__ import annotations
@@ -34,15 +35,6 @@ DEFAULT_URGENCY = 3
 """RFC 9218 §4.1: a request without a priority header has urgency 3."""
 
 
-class TunnelDenied(Exception):
-    """The request may not open a tunnel: `status` is 400, 401 or 403."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 @dataclass(frozen=True)
 class TunnelGrant:
     allow: AllowList
@@ -55,10 +47,6 @@ class TunnelAccess:
     ) -> None:
         self.keys = dict(keys)
         self.classifier = classifier
-
-    @classmethod
-    def from_keys(cls, keys: Mapping[str, AllowList]) -> TunnelAccess:
-        return cls(keys)
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> TunnelAccess:
@@ -74,18 +62,16 @@ class TunnelAccess:
         return cls(keys, QosClassifier.from_deployment(deployment))
 
     def grant(self, headers: Mapping[str, str], now: float) -> TunnelGrant:
-        """`headers` with lower-case names; `now` on the clock of the scheduler's deadlines."""
+        """`headers` with lower-case names; `now` on the clock of the scheduler's deadlines.
+        `QosRejected` (400, 401 or 403) if the request may not open a tunnel."""
         key = self._known_key(headers.get("authorization"))
         if key is None:
-            raise TunnelDenied(401, "a CONNECT-UDP tunnel needs a known key (Bearer)")
+            raise QosRejected(401, "a CONNECT-UDP tunnel needs a known key (Bearer)")
         urgency = urgency_of(headers.get("priority"))
         if self.classifier is None:
             spec = StreamSpec()
         else:
-            try:
-                found = self.classifier.classify(headers)
-            except QosRejected as error:
-                raise TunnelDenied(error.status, error.message) from None
+            found = self.classifier.classify(headers)
             qos_class = self.classifier.classes[found.qos_class]
             spec = stream_spec(qos_class, now, soft_deadlines=True)
             if urgency is None:

@@ -78,7 +78,7 @@ from transport.connection import (
     adopt,
     widen_receive_buffer,
 )
-from transport.masque.access import TunnelAccess, TunnelDenied
+from transport.masque.access import TunnelAccess
 from transport.masque.capsule import (
     CapsuleError,
     CapsuleParser,
@@ -93,6 +93,7 @@ from transport.masque.connect_udp import (
     UdpTarget,
     parse_connect_udp,
 )
+from transport.qos import QosRejected
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class _ProxyProtocol(CoalescingProtocol):
             named["authorization"] = ""  # which one would count? Neither: 401
         try:
             grant = self.proxy.access.grant(named, self._loop.time())
-        except TunnelDenied as denied:
+        except QosRejected as denied:
             self.proxy.refused[denied.status] = self.proxy.refused.get(denied.status, 0) + 1
             extra = [(b"www-authenticate", b"Bearer")] if denied.status == 401 else []
             self._respond(stream_id, denied.status, extra)
@@ -366,7 +367,7 @@ class MasqueProxy:
         congestion_control: str = "reno",
         max_tunnels: int = 128,
     ) -> None:
-        self.access = access if isinstance(access, TunnelAccess) else TunnelAccess.from_keys(access)
+        self.access = access if isinstance(access, TunnelAccess) else TunnelAccess(access)
         self.scheduler = scheduler
         self.max_tunnels = max_tunnels
         self.host, self.port = host, port
