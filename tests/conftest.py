@@ -21,8 +21,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from aioquic.quic.configuration import QuicConfiguration
 
 from serving.replicas import PROBE_BACKOFF
+from transport.connection import ScheduledQuicConnection
+from transport.http3 import Http3Settings
+from transport.tls import ensure_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -450,3 +454,18 @@ def frontend(server: Server, session_dir: Path) -> Iterator[Server]:
     edge.masque_port = masque_port
     yield edge.wait_ready()
     edge.stop()
+
+
+def quic_pair() -> tuple[ScheduledQuicConnection, ScheduledQuicConnection]:
+    """A client and a server connection (sans IO, FCFS, the server's HTTP/3 settings), for
+    tests that carry their datagrams themselves."""
+    config = QuicConfiguration(is_client=True, alpn_protocols=["h3"])
+    config.verify_mode = 0
+    client = ScheduledQuicConnection(configuration=config, scheduler="fcfs")
+    cert, key = ensure_certificate()
+    server = ScheduledQuicConnection(
+        configuration=Http3Settings(str(cert), str(key)).quic_configuration(),
+        original_destination_connection_id=client.original_destination_connection_id,
+        scheduler="fcfs",
+    )
+    return client, server

@@ -15,6 +15,8 @@ from aioquic.h3.connection import ErrorCode
 from tests.conftest import CERT, PREMIUM_KEY, Server, wait_until
 from tests.test_api import HELLO, _in_flight_is_zero
 from transport.client import Http3Client, StreamError
+from transport.link import LinkConfig
+from transport.relay import LossyRelay
 from workloads.chat import chat_body, chat_h3
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -98,6 +100,34 @@ async def test_a_client_leaving_aborts_the_engine_request(server: Server, leavin
     assert line["outcome"] == "cancelled" and 3 <= line["tokens"] < 2000
     # An ordinary way for a client to leave, not a failure of the app.
     assert "ASGI app failed" not in server.log.read_text(errors="replace")
+
+
+async def test_an_answer_whose_last_packet_was_sent_again_still_counts_as_delivered(
+    server: Server,
+) -> None:
+    """The path back to the client slows from 1 ms to 300 ms (a route change, a loaded tunnel)
+    while the answer is on its way. The server's probe timeout, sized to the fast path, fires
+    first and aioquic sends the answer's packet again, declaring the original lost; the
+    client gets the original, acknowledges it and closes before the copy comes. The answer
+    reached its client, so it counts as ok, not as cancelled: aioquic alone ignores that late
+    ACK (a CI run of the MASQUE edge test caught it)."""
+    assert server.h3_port is not None
+    relay = LossyRelay(("127.0.0.1", server.h3_port), LinkConfig(rate_bps=1e9, delay_s=0.0005))
+    port = await relay.start()
+    try:
+        async with Http3Client("127.0.0.1", port, verify=False) as client:
+            await (await client.request("GET", "/healthz")).read()  # the fast path's RTT
+            relay.down.config = relay.down.config.replace(delay_s=0.3)
+            chat = {"model": "tiny-s", "messages": HELLO, "max_tokens": 4, **GREEDY}
+            response = await client.request(
+                "POST", "/v1/chat/completions", {"content-type": "application/json"},
+                json.dumps(chat).encode(),
+            )  # fmt: skip
+            body = json.loads(await response.read())
+        assert response.status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        relay.close()
+    assert server.logged(response.headers["x-request-id"])["outcome"] == "ok"
 
 
 async def test_oversized_body_gets_413(server: Server) -> None:

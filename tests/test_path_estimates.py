@@ -8,13 +8,11 @@ import json
 import socket
 
 import httpx
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import StreamDataReceived
 
 from config.paths import PathEstimate
-from tests.conftest import EDGE_KEY, Server
+from tests.conftest import EDGE_KEY, Server, quic_pair
 from transport.client import Http3Client
-from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
 from transport.link import LinkConfig
 from transport.qos import (
@@ -39,23 +37,10 @@ from transport.tls import ensure_certificate
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True}
 
 
-def _pair() -> tuple[ScheduledQuicConnection, ScheduledQuicConnection]:
-    config = QuicConfiguration(is_client=True, alpn_protocols=["h3"])
-    config.verify_mode = 0
-    client = ScheduledQuicConnection(configuration=config, scheduler="fcfs")
-    cert, key = ensure_certificate()
-    server = ScheduledQuicConnection(
-        configuration=Http3Settings(str(cert), str(key)).quic_configuration(),
-        original_destination_connection_id=client.original_destination_connection_id,
-        scheduler="fcfs",
-    )
-    return client, server
-
-
 def test_quic_measures_the_clients_rtt_and_loss() -> None:
     """A server that sends 2 MB over 100 ms of RTT and 3% loss, in virtual time: its estimate
     has the RTT (plus queueing at the 20 Mbit/s link) and the loss it recovered from."""
-    client, server = _pair()
+    client, server = quic_pair()
     assert server.path_estimate() is None  # no RTT sample yet
     got = [0]
 

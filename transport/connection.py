@@ -32,8 +32,9 @@ from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent
 from aioquic.quic.packet_builder import QuicSentPacket
+from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import QuicPacketRecovery
-from aioquic.quic.stream import QuicStream
+from aioquic.quic.stream import QuicStream, QuicStreamSender
 
 from config.paths import PathEstimate
 from transport.schedulers import DEFAULT_SPEC, Scheduler, StreamSpec, make_scheduler
@@ -50,22 +51,82 @@ class StreamExpired(QuicEvent):
     stream_id: int
 
 
+RESENT_EARLY_KEPT = 256
+"""Packets a probe timeout sent again, remembered for an ACK of the original that comes late."""
+
+
 class CountingRecovery(QuicPacketRecovery):
     """aioquic's loss recovery, counting the packets it sends in flight and those it declares
-    lost (by ACKs, or at a probe timeout), for the path estimate: aioquic keeps no such count."""
+    lost (by ACKs, or at a probe timeout), for the path estimate: aioquic keeps no such count.
+
+    It also keeps the ACKs aioquic throws away. At a probe timeout aioquic 1.7.2 declares the
+    oldest packet in flight lost and sends its data again, although RFC 9002 6.2 says a PTO
+    must not mark packets lost; an ACK of the original that arrives afterwards is then ignored.
+    On a path slower than the PTO expects (a MASQUE tunnel, a loaded machine), the last packet
+    of a response is often sent again this way, and a client that closes the connection right
+    after reading never acknowledges the copy: the response was delivered, but the stream never
+    finishes. `late_acks` records what such ACKs acknowledged, stream by stream, without
+    touching aioquic's own state, for `ScheduledQuicConnection.send_acknowledged`."""
 
     sent_in_flight = 0
     lost = 0
+    # Set on first use: the class is swapped onto aioquic's instance, so __init__ never runs.
+    _resent_early: dict[int, QuicSentPacket] | None = None
+    _late_acks: dict[int, tuple[RangeSet, bool]] | None = None
 
     def on_packet_sent(self, *, packet: QuicSentPacket, space: Any) -> None:
         super().on_packet_sent(packet=packet, space=space)
         if packet.in_flight:
             self.sent_in_flight += 1
 
-    def _on_packets_lost(self, *, packets: Any, **kwargs: Any) -> None:
+    def _on_packets_lost(
+        self, *, packets: Any, space: Any, congestion_event: bool = True, **kwargs: Any
+    ) -> None:
         packets = list(packets)
         self.lost += sum(1 for packet in packets if packet.in_flight)
-        super()._on_packets_lost(packets=packets, **kwargs)
+        if not congestion_event and space.is_application_data:  # a PTO's early retransmission
+            if self._resent_early is None:
+                self._resent_early = {}
+            for packet in packets:
+                self._resent_early[packet.packet_number] = packet
+            while len(self._resent_early) > RESENT_EARLY_KEPT:
+                del self._resent_early[next(iter(self._resent_early))]
+        super()._on_packets_lost(
+            packets=packets, space=space, congestion_event=congestion_event, **kwargs
+        )
+
+    def on_ack_received(
+        self, *, ack_rangeset: RangeSet, ack_delay: float, now: float, space: Any
+    ) -> None:
+        if self._resent_early and space.is_application_data:
+            late = [n for n in self._resent_early if n in ack_rangeset]
+            for packet_number in late:
+                self._record_late_ack(self._resent_early.pop(packet_number))
+        super().on_ack_received(
+            ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space
+        )
+
+    def _record_late_ack(self, packet: QuicSentPacket) -> None:
+        if self._late_acks is None:
+            self._late_acks = {}
+        for handler, args in packet.delivery_handlers:
+            sender = getattr(handler, "__self__", None)
+            if not isinstance(sender, QuicStreamSender) or sender._stream_id is None:
+                continue  # not stream data (an ACK, a MAX_DATA, ...): nothing to finish
+            start, stop, fin = args
+            ranges, acked_fin = self._late_acks.get(sender._stream_id, (RangeSet(), False))
+            if stop > start:
+                ranges.add(start, stop)
+            self._late_acks[sender._stream_id] = (ranges, acked_fin or fin)
+
+    def late_acks(self, stream_id: int) -> tuple[RangeSet, bool] | None:
+        """The stream's byte ranges, and whether its FIN, acknowledged only in packets aioquic
+        had already declared lost at a probe timeout."""
+        return self._late_acks.get(stream_id) if self._late_acks else None
+
+    def forget(self, stream_id: int) -> None:
+        if self._late_acks:
+            self._late_acks.pop(stream_id, None)
 
 
 class ScheduledQuicConnection(QuicConnection):
@@ -89,6 +150,26 @@ class ScheduledQuicConnection(QuicConnection):
             lost / sent if sent else 0.0,
             loss.congestion_window * 8 / max(loss._rtt_smoothed, 1e-6),
         ).clamped()
+
+    def send_acknowledged(self, stream_id: int) -> bool:
+        """Whether the peer acknowledged every byte this end sent on the stream, and its end:
+        aioquic's `is_finished`, or the same once the ACKs aioquic ignored are counted
+        (`CountingRecovery`). A stream aioquic has discarded was finished."""
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.sender.is_finished:
+            return True
+        sender = stream.sender
+        late = cast(CountingRecovery, self._loss).late_acks(stream_id)
+        if late is None or sender._buffer_fin is None:  # aioquic's sender has no accessors
+            return False
+        late_ranges, late_fin = late
+        if not (late_fin or sender._acked_fin):
+            return False
+        acked = RangeSet(list(sender._acked) + list(late_ranges))
+        if sender._buffer_start:
+            acked.add(0, sender._buffer_start)
+        end = sender._buffer_fin
+        return end == 0 or (len(acked) == 1 and acked[0].start == 0 and acked[0].stop >= end)
 
     def _init_scheduling(self, scheduler: Scheduler | str) -> None:
         self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
@@ -125,6 +206,7 @@ class ScheduledQuicConnection(QuicConnection):
                 self._unscheduled.pop(stream_id, None)
                 self._owned.pop(stream_id, None)
                 self.scheduler.remove(stream_id)
+                cast(CountingRecovery, self._loss).forget(stream_id)
         self._round = {}
         self._round_open = False
         self._kept = set()
@@ -233,7 +315,7 @@ class ScheduledQuicConnection(QuicConnection):
             if stream_id not in self._owned:
                 continue
             stream = self._owned[stream_id]
-            if not stream.sender.is_finished:
+            if not self.send_acknowledged(stream_id):
                 self.reset_stream(stream_id, EXPIRED_ERROR)
             if not stream.receiver.is_finished:
                 self.stop_stream(stream_id, EXPIRED_ERROR)

@@ -15,7 +15,9 @@ handling. This module adds exactly those:
   `http.disconnect` on the app's `receive()`;
 - the end of a response: the `send()` of its last part returns once the client has acknowledged
   all of it, FIN included, and raises `ResponseNotDelivered` if the stream is reset first, so
-  that an app never counts as delivered a response its client saw cut short.
+  that an app never counts as delivered a response its client saw cut short. An ACK counts even
+  for a packet aioquic had already sent again at a probe timeout (`send_acknowledged`): a client
+  that reads the answer and closes at once never acknowledges the copy.
 Each request is tagged once, when its HEADERS arrive, by `tag(headers, now)`: the tag's stream spec
 goes to the connection's scheduler and the whole tag to the app, in `scope["extensions"]`, with
 what the connection has measured of the client's path (`qos.PATH`) and a way to move the response
@@ -463,7 +465,8 @@ class _RequestStream:
         self._drained.set()
 
     def wake_writer(self) -> None:
-        if self._buffered() <= self.protocol._settings.high_water // 2:
+        # A writer that has sent its end waits for ACKs, not for room: any ACK may be the last.
+        if self._finished or self._buffered() <= self.protocol._settings.high_water // 2:
             self._drained.set()
 
     async def receive(self) -> dict[str, Any]:
@@ -506,8 +509,8 @@ class _RequestStream:
                 return
             # Buffered is not delivered: until the client acknowledges the FIN, a reset can still
             # cut the response short.
-            stream = self.protocol.quic._streams.get(self.stream_id)
-            while stream is not None and not stream.sender.is_finished and not self._disconnected:
+            quic = self.protocol.quic
+            while not quic.send_acknowledged(self.stream_id) and not self._disconnected:
                 await self._acks()
             if self._disconnected:
                 raise ResponseNotDelivered(f"stream {self.stream_id} was reset before its end")
