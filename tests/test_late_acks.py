@@ -13,7 +13,7 @@ from typing import cast
 import pytest
 
 from tests.conftest import quic_pair
-from transport.connection import CountingRecovery, ScheduledQuicConnection
+from transport.connection import RESENT_EARLY_S, CountingRecovery, ScheduledQuicConnection
 
 CLIENT, SERVER = ("10.0.0.1", 4433), ("10.0.0.2", 443)
 RESPONSE = 3_000  # three packets
@@ -103,3 +103,12 @@ def test_a_late_ack_without_the_end_of_the_response_does_not_deliver_it(
     wire.probe_timeout()
     wire.client_acknowledges(wire.originals[i] for i in arrived)
     assert not wire.server.send_acknowledged(wire.stream_id)
+
+
+def test_a_copy_is_remembered_for_a_bounded_time() -> None:
+    wire = Wire()
+    wire.probe_timeout()
+    wire.tick(RESENT_EARLY_S + 1)
+    wire.client_acknowledges(wire.originals)
+    assert not wire.server.send_acknowledged(wire.stream_id)
+    assert not cast(CountingRecovery, wire.server._loss)._resent_early

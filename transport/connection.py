@@ -51,8 +51,12 @@ class StreamExpired(QuicEvent):
     stream_id: int
 
 
-RESENT_EARLY_KEPT = 256
-"""Packets a probe timeout sent again, remembered for an ACK of the original that comes late."""
+RESENT_EARLY_KEPT = 64
+"""Packets a probe timeout sent again, remembered for an ACK of the original that comes late:
+at most this many, for at most `RESENT_EARLY_S`. Every ACK is checked against them."""
+RESENT_EARLY_S = 10.0
+"""Seconds. Far longer than a late ACK takes (an RTT spike of 300 ms is ten PTOs of a fast path),
+short enough that a connection's spurious PTOs do not pile up."""
 
 
 class CountingRecovery(QuicPacketRecovery):
@@ -99,6 +103,11 @@ class CountingRecovery(QuicPacketRecovery):
         self, *, ack_rangeset: RangeSet, ack_delay: float, now: float, space: Any
     ) -> None:
         if self._resent_early and space.is_application_data:
+            while self._resent_early:  # oldest first: they are kept in the order PTOs sent them
+                oldest = next(iter(self._resent_early.values()))
+                if oldest.sent_time >= now - RESENT_EARLY_S:
+                    break
+                del self._resent_early[oldest.packet_number]
             late = [n for n in self._resent_early if n in ack_rangeset]
             for packet_number in late:
                 self._record_late_ack(self._resent_early.pop(packet_number))
