@@ -21,6 +21,7 @@ from router.policies import Policy, encoder_for
 from router.view import ClusterView
 from serving import metrics as outcomes
 from serving.engines.base import (
+    UNFINISHED,
     EngineError,
     EngineUnavailable,
     InvalidRequest,
@@ -459,6 +460,11 @@ class Generation:
         if isinstance(item, BaseException):
             raise item
         assert isinstance(item, TokenDelta)
+        if item.finish_reason in UNFINISHED:
+            raise EngineError(
+                f"{self.replica.name}: the engine ended the request unfinished "
+                f"(finish_reason {item.finish_reason!r})"
+            )
         now = self.gateway.clock()
         if self._first_at is None:
             self._first_at = now

@@ -342,7 +342,12 @@ def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
         "/health",
         session_dir,
         # Not pinned to the core vLLM gives the embedded engines: it can move off a busy core.
-        env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        # Dev mode serves /pause and /resume (tests/test_remote.py pauses it mid-stream).
+        env={
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_SERVER_DEV_MODE": "1",
+        },
     )
     gateway_port = free_port()
     remote_log = session_dir / "remote-requests.jsonl"

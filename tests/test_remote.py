@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -46,16 +47,16 @@ def test_remote_rejection_keeps_its_status_and_message(remote_server: Server) ->
     assert error["param"] == "max_tokens"
 
 
-def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
-    remote_server: Server, upstream: Server
-) -> None:
-    replica = f"127.0.0.1:{upstream.port}/tiny-s"
-    assert httpx.get(remote_server.url + "/readyz").json() == {
-        "status": "ready", "down": [], "replicas": {replica: True}
-    }  # fmt: skip
-    # As long as the context allows, and killed at the first event: a small upstream engine
-    # on a busy machine can otherwise finish the whole answer, already buffered on its way to
-    # the client, before the kill (seen in CI at 1,500 tokens and the third event).
+ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}
+
+
+def _stream_until_the_engine_fails(
+    remote_server: Server, at_the_first_event: Callable[[], object]
+) -> dict:
+    """Stream a long answer, call `at_the_first_event` once the first event is in, and return
+    the error event that must end the stream, checking that it is counted as an engine error.
+    As long as the context allows, so the answer cannot finish first (50 s here)."""
+    errors_before = remote_server.metric("serving_requests_total", **ENGINE_ERRORS)
     body = {"messages": HELLO, "max_tokens": 2000, "stream": True, "ignore_eos": True}
     events = []
     with httpx.stream(
@@ -68,17 +69,52 @@ def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
             data = line.removeprefix("data: ")
             events.append(data if data == "[DONE]" else json.loads(data))
             if len(events) == 1:
-                os.killpg(upstream.process.pid, signal.SIGKILL)  # the engine dies mid-stream
+                at_the_first_event()
     assert events[-1] == "[DONE]"
+    assert "error" in events[-2], f"{len(events)} events, ending {events[-3:]}"
     error = events[-2]["error"]
     assert error["code"] == "engine_error"
     assert error["type"] == "server_error"
-    assert (
-        remote_server.metric(
-            "serving_requests_total", qos_class="free-tier", model="tiny-s", outcome="engine_error"
-        )
-        == 1
+    assert remote_server.metric("serving_requests_total", **ENGINE_ERRORS) == errors_before + 1
+    return error
+
+
+def test_an_upstream_that_aborts_mid_stream_ends_in_an_error_event(
+    remote_server: Server, upstream: Server
+) -> None:
+    """vLLM aborts what it is generating when paused for a weight update (`POST /pause`, as RL
+    trainers do) and ends each stream with finish_reason 'abort': an unfinished answer, which
+    must not reach the client, or count, as a finished one."""
+
+    def pause() -> None:
+        httpx.post(upstream.url + "/pause", params={"mode": "abort"}, timeout=10).raise_for_status()
+
+    try:
+        error = _stream_until_the_engine_fails(remote_server, pause)
+    finally:
+        httpx.post(upstream.url + "/resume", timeout=10).raise_for_status()
+    assert "abort" in error["message"]
+    # The upstream is fine: the next request is served.
+    r = httpx.post(
+        remote_server.url + "/v1/chat/completions",
+        json={"messages": HELLO, "max_tokens": 4},
+        timeout=60,
     )
+    assert r.status_code == 200, r.text
+
+
+def test_engine_failing_mid_stream_ends_in_an_error_event_then_503(
+    remote_server: Server, upstream: Server
+) -> None:
+    replica = f"127.0.0.1:{upstream.port}/tiny-s"
+    assert httpx.get(remote_server.url + "/readyz").json() == {
+        "status": "ready", "down": [], "replicas": {replica: True}
+    }  # fmt: skip
+
+    def kill() -> None:
+        os.killpg(upstream.process.pid, signal.SIGKILL)  # the engine dies mid-stream
+
+    _stream_until_the_engine_fails(remote_server, kill)
 
     # With its only engine down, the server says so instead of hanging.
     r = httpx.post(remote_server.url + "/v1/chat/completions", json={"messages": HELLO}, timeout=30)

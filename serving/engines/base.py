@@ -55,7 +55,8 @@ class TokenDelta:
     prompt_tokens: int
     """Length of the prompt as the engine tokenised it."""
     finish_reason: str | None = None
-    """Set on the last delta: 'stop' or 'length'."""
+    """Set on the last delta: 'stop' or 'length' for a finished answer; vLLM's 'abort' and
+    'error' (`UNFINISHED`) end one that is not."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per new token, where `Sampling.logprobs` asked for them."""
     prompt_text: str | None = None
@@ -63,6 +64,11 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     """On the first delta, where `Sampling.echo` and `Sampling.logprobs` asked: one per prompt
     token."""
+
+
+UNFINISHED = frozenset({"abort", "error"})
+"""vLLM's finish reasons for a request it stopped without finishing (an abort or shutdown, an
+engine fault). They are no answer's end: the gateway turns them into an engine error."""
 
 
 class InvalidRequest(Exception):

@@ -179,11 +179,8 @@ class VllmEngine:
                 priority=sampling.priority if self._by_priority else 0,
             ):
                 completion = out.outputs[0]
+                # 'abort' and 'error' go on as they are: the gateway fails the request on them.
                 finish = completion.finish_reason if out.finished else None
-                if finish in ("error", "abort"):  # vLLM's request-level failures
-                    raise EngineError(
-                        f"{self.config.name}: the engine ended the request ({finish})"
-                    )
                 k = sampling.logprobs
                 yield TokenDelta(
                     text=completion.text,
