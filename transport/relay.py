@@ -71,5 +71,7 @@ class LossyRelay:
     @staticmethod
     def _deliver(side: Any, data: bytes, addr: Any) -> None:
         endpoint = side()
-        if endpoint is not None and endpoint.transport is not None:
-            endpoint.transport.sendto(data, addr)
+        # A datagram still on the link when the relay closes goes nowhere.
+        transport = endpoint.transport if endpoint is not None else None
+        if transport is not None and not transport.is_closing():
+            transport.sendto(data, addr)
