@@ -200,8 +200,6 @@ class VllmEngine:
                     ),
                 )
                 echo = False  # the prompt goes with the first delta only
-        except EngineError:
-            raise
         except EngineDeadError as exc:
             # Not EngineUnavailable: the request was accepted, and may be what killed the engine.
             raise EngineError(f"{self.config.name}: the engine died") from exc
