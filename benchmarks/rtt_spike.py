@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from experiments.live import requests_total, server
@@ -50,6 +51,11 @@ async def one_answer(h3_port: int, delay_s: float) -> bool:
         relay.close()
 
 
+async def answers(h3_port: int, delay_s: float, requests: int) -> int:
+    """How many of `requests` answers, one after another, their clients read whole."""
+    return sum([await one_answer(h3_port, delay_s) for _ in range(requests)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=40, help="per delay")
@@ -60,13 +66,8 @@ def main() -> None:
         print(f"{'delay back':>10}  {'read whole':>10}  server's outcomes")
         for delay_s in args.delays:
             before = requests_total(live.url)
-
-            async def run(delay_s: float = delay_s) -> int:
-                return sum([await one_answer(live.h3_port, delay_s) for _ in range(args.requests)])
-
-            whole = asyncio.run(run())
-            # The last ACK or close may still be on its way through the slow path.
-            asyncio.run(asyncio.sleep(2 * delay_s + 1))
+            whole = asyncio.run(answers(live.h3_port, delay_s, args.requests))
+            time.sleep(2 * delay_s + 1)  # the last ACK or close may still be on the slow path
             outcomes = requests_total(live.url) - before
             counted = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
             print(f"{delay_s * 1000:>8.0f}ms  {whole:>4}/{args.requests:<5}  {counted}")
