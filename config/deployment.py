@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -373,3 +374,34 @@ def _normalised(rows: dict[str, dict[str, float]], where: str) -> dict[str, dict
             raise ConfigError(f"{where}.{task}: every model of the deployment scores 0")
         quality[task] = {model: v / best for model, v in values.items()}
     return quality
+
+
+def deployment_serving(path: str | Path, models: Collection[str]) -> Deployment:
+    """The deployment of models.yaml at `path` that serves exactly `models` (a server's
+    /v1/models, less `auto`): the file's default where it does, else the first that does. Where
+    several do, their quality tables must agree, since a load generator scores answers with it.
+    Raises ConfigError saying why where none does, or where those that do disagree."""
+    path = Path(path).resolve()
+    spec = load(path)
+    serving, unreadable = [], []
+    for name in sorted(spec.deployments, key=lambda name: name != spec.default_deployment):
+        try:
+            deployment = resolve(spec, name, path.parent)
+        except ConfigError:  # a file it names is missing, say: not the server's, or not here
+            unreadable.append(name)
+            continue
+        if set(deployment.models) == set(models):
+            serving.append(deployment)
+    if not serving:
+        unread = f" ({', '.join(unreadable)} could not be read)" if unreadable else ""
+        raise ConfigError(
+            f"no deployment of {path} serves exactly the models {', '.join(sorted(models))}"
+            + unread
+        )
+    disagree = [d.name for d in serving if d.quality != serving[0].quality]
+    if disagree:
+        raise ConfigError(
+            f"deployments {serving[0].name} and {', '.join(disagree)} of {path} serve these "
+            "models with different quality tables"
+        )
+    return serving[0]

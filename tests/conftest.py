@@ -421,6 +421,31 @@ def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
     return server
 
 
+@pytest.fixture(scope="module")
+def null_server(session_dir: Path) -> Iterator[Server]:
+    """`python -m workloads.null_server`: first token after 300 ms, then one every 10 ms."""
+    port, h3_port = free_port(), free_udp_port()
+    null = launch(
+        "null-server",
+        [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", str(h3_port),
+         "--first-token-ms", "300", "--token-gap-ms", "10"],
+        port, "/v1/models", session_dir, h3_port=h3_port,
+    )  # fmt: skip
+    yield null.wait_ready()
+    null.stop()
+
+
+@pytest.fixture(scope="module")
+def paper_twin(session_dir: Path) -> Iterator[Server]:
+    """`python -m serving --deployment paper-4gpu-sim` on the shipped models.yaml: the seed's
+    twelve replicas on simulated engines, whose models are not the default deployment's."""
+    port = free_port()
+    command = serving_command(ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port", "0")
+    twin = launch("paper-twin", command, port, "/readyz", session_dir)
+    yield twin.wait_ready()
+    twin.stop()
+
+
 CERT = ROOT / ".certs" / "cert.pem"
 """The self-signed certificate the servers make on first start (transport.tls)."""
 

@@ -401,3 +401,22 @@ def test_a_batch_of_prompts_is_admitted_whole_not_shed_against_itself(
     # Each prompt was a request of its own to the gateway, and each ended ok.
     rid = r.headers["x-request-id"]
     assert {server.logged(f"{rid}-{i}")["outcome"] for i in range(16)} == {"ok"}
+
+
+def test_an_idle_replica_admits_its_first_request() -> None:
+    # Right after start, three 4-token requests at once, one to each embedded model: the two
+    # sent first are in flight on their neighbours of the device when the third comes. Its own
+    # replica has nothing in flight, so it is let in; the profile's interference (0.68 per busy
+    # neighbour) once made its answer look slower than the SLO, and it was shed (429).
+    embedded = load_deployment(name="embedded")
+    assert embedded.profile is not None
+    live = DeadlineAdmission.from_deployment(embedded)
+    busy = {"tiny-s": 1, "tiny-m": 1, "tiny-l": 0}
+    first_two = ClusterView(
+        tuple(
+            ReplicaState(r.name, r.model, busy[r.model], not busy[r.model], 4 * busy[r.model])
+            for r in embedded.replicas
+        )
+    )
+    four_tokens = Request("r", 0.0, "hi", 4, "free-tier")
+    assert live.check(four_tokens, first_two, now=0.0) == first_two

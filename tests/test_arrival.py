@@ -10,7 +10,6 @@ import socket
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,9 +21,6 @@ from tests.conftest import (
     PYTHON,
     ROOT,
     Server,
-    free_port,
-    free_udp_port,
-    launch,
     wait_until,
 )
 from tests.test_api import HELLO, _in_flight_is_zero
@@ -130,20 +126,6 @@ def test_the_edge_forwards_the_clients_arrival(frontend: Server, server: Server)
     # The client's path is the edge's measurement of it (loopback, TCP_INFO), not the one the
     # client claimed in the edge's header, which the edge drops.
     assert line["client_rtt_s"] < 0.05 and line["client_loss"] == 0.0
-
-
-@pytest.fixture(scope="module")
-def null_server(session_dir: Path) -> Iterator[Server]:
-    """`python -m workloads.null_server`: first token after 300 ms, then one every 10 ms."""
-    port, h3_port = free_port(), free_udp_port()
-    null = launch(
-        "null-server",
-        [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", str(h3_port),
-         "--first-token-ms", "300", "--token-gap-ms", "10"],
-        port, "/v1/models", session_dir, h3_port=h3_port,
-    )  # fmt: skip
-    yield null.wait_ready()
-    null.stop()
 
 
 def replay(out: Path, *args: str) -> dict:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import ConfigError, load, load_deployment, resolve
+from config import ConfigError, deployment_serving, load, load_deployment, resolve
+from tests.conftest import test_config as write_test_config  # not collected as a test
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,3 +224,21 @@ def test_a_policy_trained_on_another_quality_table_says_it_is_stale(tmp_path: Pa
     other = replace(paper, quality={**paper.quality, "piqa": {**row, "opt-125m": 0.5}})
     stale = policy.stale_quality(other)
     assert stale is not None and "stale" in stale and "piqa" in stale and "hellaswag" not in stale
+
+
+def test_the_deployment_a_server_serves_is_found_by_its_models(tmp_path: Path) -> None:
+    shipped_file = ROOT / "models.yaml"
+    assert deployment_serving(shipped_file, ["tiny-l", "tiny-s", "tiny-m"]).name == "embedded"
+    # paper-4gpu, its twin and remote serve the OPT trio with one table: the first is taken.
+    assert deployment_serving(shipped_file, ["opt-125m", "opt-1.3b", "opt-6.7b"]).name == (
+        "paper-4gpu"
+    )
+    with pytest.raises(ConfigError, match="serves exactly the models null"):
+        deployment_serving(shipped_file, ["null"])
+    # Another deployment of the tiny models that scores them by seed 004's table, not the
+    # measured one: which of the two served cannot be told, so neither is taken.
+    seeded = {k: v for k, v in shipped()["deployments"]["embedded"].items() if k != "quality_file"}
+    placement = shipped()["placements"]["embedded-cpu"]
+    config = write_test_config(tmp_path, **{"embedded-seed": (placement, seeded)})
+    with pytest.raises(ConfigError, match="embedded-seed of .* different quality tables"):
+        deployment_serving(config, ["tiny-s", "tiny-m", "tiny-l"])

@@ -187,3 +187,31 @@ def test_a_request_that_cannot_be_scheduled_is_refused_with_its_line(
     path.write_text(path.read_text() + json.dumps({**row, "arrival": arrival}) + "\n")
     with pytest.raises(ValueError, match="line 2: not a request .*arrival"):
         load_requests(path)
+
+
+def test_without_a_deployment_the_replay_scores_with_the_one_the_server_serves(
+    paper_twin: Server, tmp_path: Path
+) -> None:
+    # The twin serves the OPT models, not the default deployment's: scored against the default's
+    # quality table, every answer was worth 0, and the run said reward 0.000.
+    rc, record, stdout = replay(
+        tmp_path / "twin.json", "--proto", "h1", "--url", paper_twin.url, "--classes", "long"
+    )
+    assert_accounted(record, 12)
+    assert rc == 0, record["summary"]["errors"]
+    assert record["deployment"] == "paper-4gpu"  # the first that serves them; the twin's table
+    met = [r for r in record["requests"] if r["slo_met"]]
+    assert met and all(r["reward"] > 0 for r in met)
+    assert record["summary"]["mean_reward"] > 0
+    assert "No reward" not in stdout
+
+
+def test_the_replay_says_why_it_cannot_score_a_server_no_deployment_describes(
+    null_server: Server, tmp_path: Path
+) -> None:
+    rc, record, stdout = replay(tmp_path / "null.json", "--proto", "h1", "--url", null_server.url,
+                                "--model", "null")  # fmt: skip
+    assert rc == 0 and record["summary"]["completed"] == 12
+    assert record["deployment"] is None and record["summary"]["mean_reward"] is None
+    assert "No reward: no deployment of" in stdout and "serves exactly the models null" in stdout
+    assert "Mean reward:" in stdout and "Windows of" not in stdout

@@ -207,6 +207,14 @@ def test_a_killed_vllm_engine_fails_its_requests_then_restarts_and_serves(
     assert _chat(server).status_code == 503
 
     wait_until(lambda: _ready(server), RECOVERY_TIMEOUT_S, "the engine to be back")
+    # Warmed up again before it rejoined: by the time /readyz lists it, the new engine has run
+    # every path (the log line of its start says how long each took).
+    warmed = [
+        line
+        for line in server.log.read_text().splitlines()
+        if f"{VLLM_REPLICA}: ready in" in line and "log-probabilities of prompt and output" in line
+    ]
+    assert len(warmed) == 2, warmed
     r = _chat(server)
     assert r.status_code == 200, r.text
     assert r.json()["replica"] == VLLM_REPLICA

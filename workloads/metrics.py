@@ -90,12 +90,13 @@ def _latencies(done: Sequence[Outcome]) -> dict[str, float | None]:
     }
 
 
-def _slo(group: Sequence[Outcome], duration_s: float) -> dict[str, float]:
+def _slo(group: Sequence[Outcome], duration_s: float, scored: bool) -> dict[str, float | None]:
     met = sum(o.slo_met for o in group)
+    reward = float(np.mean([o.reward for o in group])) if group else 0.0
     return {
         "slo_attainment": met / len(group) if group else 0.0,
         "goodput": met / duration_s if duration_s > 0 else 0.0,
-        "mean_reward": float(np.mean([o.reward for o in group])) if group else 0.0,
+        "mean_reward": reward if scored else None,
     }
 
 
@@ -107,15 +108,19 @@ def sliding_means(values: Sequence[float], window: int) -> np.ndarray:
     return (sums[window:] - sums[:-window]) / window
 
 
-def summarize(outcomes: Sequence[Outcome], duration_s: float, window: int = 20) -> dict:
+def summarize(
+    outcomes: Sequence[Outcome], duration_s: float, window: int = 20, scored: bool = True
+) -> dict:
     """Everything a run reports, as plain JSON-ready data. Every outcome counts: an error scores
-    reward 0 and misses its SLO, so a run cannot look better by failing requests."""
+    reward 0 and misses its SLO, so a run cannot look better by failing requests. `scored`
+    False: the rewards mean nothing (no quality table of the serving deployment was known), and
+    every reward is None."""
     ordered = sorted(outcomes, key=lambda o: o.arrival_s)
     done = [o for o in ordered if o.completed]
     output = sum(o.output_tokens for o in done)
     prompt = sum(o.prompt_tokens or 0 for o in done)
     models = Counter(o.model or "?" for o in done)
-    rewards = sliding_means([o.reward for o in ordered], window)
+    rewards = sliding_means([o.reward for o in ordered] if scored else [], window)
     slo_windows = sliding_means([float(o.slo_met) for o in ordered], window)
     per_class = {}
     for cls in sorted({o.qos_class for o in ordered}):
@@ -124,7 +129,7 @@ def summarize(outcomes: Sequence[Outcome], duration_s: float, window: int = 20) 
         per_class[cls] = {
             "sent": len(group),
             "completed": len(group_done),
-            **_slo(group, duration_s),
+            **_slo(group, duration_s, scored),
             **_latencies(group_done),
         }
     return {
@@ -139,7 +144,7 @@ def summarize(outcomes: Sequence[Outcome], duration_s: float, window: int = 20) 
         "total_output_tokens": output,
         "total_input_tokens": prompt,
         **_latencies(done),
-        **_slo(ordered, duration_s),
+        **_slo(ordered, duration_s, scored),
         "max_lag_ms": max((o.lag_s for o in ordered), default=0.0) * 1000,
         "model_share": {m: n / len(done) for m, n in sorted(models.items())},
         "per_class": per_class,
@@ -149,7 +154,9 @@ def summarize(outcomes: Sequence[Outcome], duration_s: float, window: int = 20) 
             "slo_attainment": slo_windows.tolist(),
             "reward_at_least": {
                 f"{t:.2f}": int((rewards >= t - 1e-9).sum()) for t in WINDOW_THRESHOLDS
-            },
+            }
+            if scored
+            else {},
         },
     }
 
@@ -192,18 +199,20 @@ def format_summary(summary: dict, title: str = "Load run") -> str:
     )
     for cls, c in summary["per_class"].items():
         ttft = c["median_ttft_ms"]
+        reward = c["mean_reward"]
         lines.append(
             f"{cls:<12}{c['sent']:>6}{c['completed']:>6}{c['slo_attainment']:>8.1%}"
-            f"{c['goodput']:>9.2f}{c['mean_reward']:>8.3f}"
+            f"{c['goodput']:>9.2f}"
+            + (f"{reward:>8.3f}" if reward is not None else f"{'-':>8}")
             + (f"{ttft:>8.1f} ms" if ttft is not None else f"{'-':>11}")
         )
     shares = ", ".join(f"{m} {s:.0%}" for m, s in summary["model_share"].items()) or "-"
     lines.append(f"Model share: {shares}")
-    counts = summary["windows"]["reward_at_least"]
-    lines.append(
-        f"Windows of {summary['window']} by mean reward: "
-        + ", ".join(f"{'=' if t == '1.00' else '>='}{t}: {n}" for t, n in counts.items())
-    )
+    if counts := summary["windows"]["reward_at_least"]:
+        lines.append(
+            f"Windows of {summary['window']} by mean reward: "
+            + ", ".join(f"{'=' if t == '1.00' else '>='}{t}: {n}" for t, n in counts.items())
+        )
     lines.append("=" * 60)
     return "\n".join(lines)
 

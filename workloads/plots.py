@@ -39,9 +39,10 @@ def plot_run(record: dict, path: str | Path, title: str = "") -> Path:
     latency.set_ylabel("seconds")
     window = summary["window"]
     ends = arrivals[window - 1 :] if len(arrivals) >= window else np.empty(0)
-    reward.plot(
-        ends, summary["windows"]["mean_reward"], label=f"mean reward, last {window}", marker="."
-    )
+    if summary["mean_reward"] is not None:
+        reward.plot(
+            ends, summary["windows"]["mean_reward"], label=f"mean reward, last {window}", marker="."
+        )
     reward.plot(
         ends, summary["windows"]["slo_attainment"], label=f"SLO met, last {window}", marker="."
     )

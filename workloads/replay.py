@@ -21,7 +21,7 @@ import os
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
+from config import DEFAULT_PATH, ConfigError, Deployment, deployment_serving, load_deployment
 from transport.client import Http3Pool, StreamError, split_url
 from transport.qos import stream_spec
 from transport.schedulers import SCHEDULERS
@@ -64,6 +64,10 @@ from workloads.traces import (
     read_maf1_counts,
     resolve_trace,
 )
+
+
+async def _content(response: httpx.Response) -> bytes:
+    return response.content
 
 
 def request_body(request: Request, model: str, ignore_eos: bool) -> dict[str, Any]:
@@ -106,6 +110,10 @@ class Client:
         self.h2_streams = asyncio.Semaphore(args.h2_streams)
         self._draining: set[asyncio.Task[ChatResult]] = set()
         self.h1: aiohttp.ClientSession | None = None
+        self.served_models: list[str] | None = None
+        """The models the server's /v1/models listed when the client connected, less `auto`;
+        asked only without --deployment (and always over HTTP/2, whose connection it opens)."""
+        self.models_error = "it was not asked"
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Client]:
@@ -116,6 +124,8 @@ class Client:
                 host, port, self.args.connections, verify=verify,
                 scheduler=self.args.scheduler, congestion_control=self.args.congestion_control,
             ) as self.h3:  # fmt: skip
+                if self.args.deployment is None:
+                    await self._ask_models(self._models_h3)
                 yield self
         elif self.args.proto == "h2":
             # One connection for every request, as a browser keeps one per origin: past the
@@ -128,7 +138,8 @@ class Client:
             ) as self.h2:  # fmt: skip
                 # Open it before the first request, as HTTP/3's pool does: the run times the
                 # requests, not the handshake.
-                await self.h2.get(self.args.url + "/v1/models", timeout=30)
+                opened = await self.h2.get(self.args.url + "/v1/models", timeout=30)
+                await self._ask_models(lambda: _content(opened))
                 yield self
         else:
             # As `vllm bench serve`: keep-alive connections, as many as requests in flight (an
@@ -142,7 +153,35 @@ class Client:
             )  # fmt: skip
             timeout = aiohttp.ClientTimeout(total=None, connect=30)
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as self.h1:
+                if self.args.deployment is None:
+                    await self._ask_models(self._models_h1)
                 yield self
+
+    async def _ask_models(self, fetch: Callable[[], Awaitable[bytes]]) -> None:
+        """Fill in `served_models`, or say in `models_error` why not; the run goes on either
+        way, and a server that cannot be reached fails its requests, each counted."""
+        try:
+            cards = json.loads(await fetch())["data"]
+            self.served_models = [card["id"] for card in cards if card["id"] != "auto"]
+        except (StreamError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.models_error = f"{type(exc).__name__}: {exc}"
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON, not OpenAI's model list
+            self.models_error = f"its /v1/models was not a model list ({exc!r})"
+
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+
+    async def _models_h3(self) -> bytes:
+        assert self.h3 is not None
+        response = await asyncio.wait_for(self.h3.request("GET", "/v1/models", self._headers()), 30)
+        return await response.read()
+
+    async def _models_h1(self) -> bytes:
+        assert self.h1 is not None
+        limit = aiohttp.ClientTimeout(total=30)
+        url = self.args.url + "/v1/models"
+        async with self.h1.get(url, headers=self._headers(), timeout=limit) as response:
+            return await response.read()
 
     async def send(self, request: Request) -> ChatResult:
         body = request_body(request, self.args.model, self.args.ignore_eos)
@@ -313,6 +352,20 @@ def client_health(outcomes: Sequence[Outcome], duration_s: float, cpu_s: float) 
         "kept_up": not warnings,
         "warnings": warnings,
     }
+
+
+def deployment_served(
+    config: str, client: Client, fallback: Deployment
+) -> tuple[Deployment, str | None]:
+    """The deployment of models.yaml that the server serves, from the models its /v1/models
+    listed when `client` connected; or `fallback` and why the answers cannot be scored (another
+    server, say a bare `vllm serve`, or a models.yaml that is not the server's)."""
+    if client.served_models is None:
+        return fallback, f"the server did not list its models ({client.models_error})"
+    try:
+        return deployment_serving(config, client.served_models), None
+    except ConfigError as exc:
+        return fallback, str(exc)
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -526,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         args.duration = 40.0  # seed 004's 40 s per rate
     try:
+        # Without --deployment, the file's default, for the SLO and the classes, until the
+        # server has said which deployment it is.
         deployment = load_deployment(args.config, args.deployment)
         if args.requests:
             workload, what = load_requests(args.requests), f"the requests of {args.requests}"
@@ -546,11 +601,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --connections must be at least 1", file=sys.stderr)
         return 2
     started = time.time()
+    client = Client(args, deployment)
     try:
         outcomes, duration, cpu = asyncio.run(
             replay(
                 workload,
-                Client(args, deployment),
+                client,
                 deployment,
                 args.timeout,
                 args.progress,
@@ -560,9 +616,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConnectionError, OSError, StreamError, httpx.TransportError) as exc:
         print(f"error: cannot connect to {args.url} over {args.proto}: {exc!r}", file=sys.stderr)
         return 2
-    summary = summarize(outcomes, duration, args.window)
+    unscored = None
+    if args.deployment is None:
+        # The SLO and the classes are the file's: only the rewards depend on the deployment.
+        deployment, unscored = deployment_served(args.config, client, deployment)
+        if unscored is None:
+            print(f"scored with deployment {deployment.name}, whose models the server serves")
+            for o in outcomes:
+                o.reward = deployment.reward(o.task, o.model, o.qos_class, o.slo_met)
+    summary = summarize(outcomes, duration, args.window, scored=unscored is None)
     health = client_health(outcomes, duration, cpu)
     print(format_summary(summary, f"{args.proto} {args.url}"))
+    if unscored is not None:
+        print(f"No reward: {unscored}; name the deployment with --deployment.")
     print(
         f"client: p99 send lag {health['p99_lag_ms']:.1f} ms, {health['cpu_share_of_core']:.0%} "
         f"of a core, {health['credit_waited']} requests waited for stream credit"
@@ -573,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started": started,
         "command": sys.argv,
         "arrivals": {"description": what, **asdict(stats)},
-        "deployment": deployment.name,
+        "deployment": deployment.name if unscored is None else None,
         "client": health,
         "summary": summary,
         "requests": [asdict(o) for o in sorted(outcomes, key=lambda o: o.arrival_s)],

@@ -8,6 +8,9 @@ from typing import Protocol
 
 from workloads import Request
 
+MAX_LOGPROBS = 20
+"""vLLM's default `max_logprobs`: the most alternatives a request may ask for at a position."""
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -21,6 +21,7 @@ from serving.engines.base import (
     TokenLogprob,
 )
 from serving.engines.prompts import PromptTokenizer, output_budget
+from serving.engines.warmup import WarmedPath, describe, paths, warm_up
 from workloads import Request
 
 if TYPE_CHECKING:
@@ -64,19 +65,35 @@ class VllmEngine:
         async with _SPAWN_ENV.use(self._spawn_env(cores)):
             # Construction blocks while the engine processes start; a thread keeps the loop free,
             # so several engines start at once.
-            self._llm = await _finish_even_if_cancelled(
+            llm = await _finish_even_if_cancelled(
                 asyncio.to_thread(_start_on, cores, AsyncLLM.from_engine_args, args),
                 lambda llm: llm.shutdown(),
             )
-        self._prompts = PromptTokenizer(self._llm.get_tokenizer(), self.config)
-        self.max_model_len = self._llm.model_config.max_model_len
+        try:
+            self._prompts = PromptTokenizer(llm.get_tokenizer(), self.config)
+            self.max_model_len = llm.model_config.max_model_len
+            warmed = await self._warm_up(llm)
+        except BaseException:
+            await asyncio.to_thread(llm.shutdown)
+            raise
+        # Only now is it healthy, and in the router's view: a request never pays for a path's
+        # first run, a restarted engine's included.
+        self._llm = llm
         log.info(
-            "%s: ready in %.1f s, context %d tokens, EngineCore pid %s",
+            "%s: ready in %.1f s (warm-up %s), context %d tokens, EngineCore pid %s",
             self.config.name,
             time.monotonic() - started,
+            describe(warmed),
             self.max_model_len,
-            ",".join(map(str, _engine_core_pids(self._llm))) or "?",
+            ",".join(map(str, _engine_core_pids(llm))) or "?",
         )
+
+    async def _warm_up(self, llm: AsyncLLM) -> list[WarmedPath]:
+        """Serve every path once (`serving.engines.warmup`) on `llm`, not yet published."""
+        filler = self._prompts.tokenizer.encode(" the", add_special_tokens=False)[-1]
+        max_batch = llm.vllm_config.scheduler_config.max_num_seqs
+        to_warm = paths(self.max_model_len, max_batch, filler, seeded=self.config.device != "cpu")
+        return await warm_up(lambda r, s: self._generate(llm, r, s), to_warm)
 
     def _memory_args(self) -> dict[str, object]:
         if self.config.kv_cache_gib is not None:
@@ -133,7 +150,16 @@ class VllmEngine:
             # 2-core embedded deployment: 329 against 106 tokens/s with 16 streams spread over
             # the models by the router.
             bind = ",".join(map(str, sorted(cores))) if cores else "auto"
-            return {"VLLM_CPU_OMP_THREADS_BIND": bind}
+            env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
+            if self.config.engine_args.get("enforce_eager"):
+                # Eager, vLLM compiles no model, yet it still compiles (torch.compile, inductor,
+                # a C++ build) the function that ranks log-probabilities, on first use. On the
+                # embedded deployment that made the warm-up's log-probabilities take 3-10 s per
+                # engine (about 30 s on a fresh machine, with inductor's disk cache empty);
+                # without dynamo they took 0.1 s, and the whole warm-up 1.7-4.4 s against 11-19.
+                # Eager, the ranking makes a (tokens x vocabulary) mask, which a CPU's memory holds.
+                env["TORCHDYNAMO_DISABLE"] = "1"
+            return env
         index = device.removeprefix("cuda:")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible:  # cuda:N counts within what the server itself was given
@@ -159,12 +185,32 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
+        return self._generate(None, request, sampling)
+
+    async def _generate(
+        self, llm: AsyncLLM | None, request: Request, sampling: Sampling
+    ) -> AsyncIterator[TokenDelta]:
+        """`llm`: the engine warming up, not yet published; None: the running one."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        llm = self._running()  # raises EngineUnavailable before anything starts: safe to retry
+        if llm is None:
+            # Raises EngineUnavailable before anything starts: safe to retry elsewhere.
+            llm = self._running()
+        if sampling.seed is not None and sampling.temperature > 0 and self.config.device == "cpu":
+            # vLLM 0.32's CPU backend kills its worker when a seeded request's prompt is split
+            # over steps (chunked prefill): it rewinds the request's generator with an offset,
+            # which only CUDA generators have. 64 such requests at once, 120 words each, took
+            # down the embedded tiny-s and every request it held. Greedy decoding uses no
+            # generator, so a seed with temperature 0 (lm-eval's) is safe.
+            raise InvalidRequest(
+                f"{self.config.name} runs on a CPU, where a seed is only served with temperature "
+                "0 (greedy): vLLM's CPU backend fails seeded sampling. Leave out the seed, or "
+                "set temperature to 0.",
+                param="seed",
+            )
         prompts = self._prompts
         ids = await prompts.ids(request, self.max_model_len)
         params = self._sampling_params(request, sampling, len(ids))
