@@ -30,9 +30,10 @@ browser:
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 bench: setup
-	$(PY) benchmarks/api_overhead.py
+	$(PY) -m benchmarks.api_overhead
 
 clean:
 	rm -rf $(VENV) .models

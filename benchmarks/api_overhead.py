@@ -12,7 +12,7 @@ same kept-alive connection. The HTTP client is a few lines over raw sockets, so 
 costs itself stays out of the numbers.
 Per path: p50 TTFT over all requests, and tokens/s per round (all tokens / round wall time).
 
-    python benchmarks/api_overhead.py [--concurrency 16] [--rounds 10] [--model tiny-m]
+    python -m benchmarks.api_overhead [--concurrency 16] [--rounds 10] [--model tiny-m]
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ on to the end. It reports, each against its target:
     `--settle-s` after /readyz lists the replica up, once the outage's backlog has drained.
 Writes results/chaos/chaos.{json,csv,png} (the CSV has one row per window) and the server's log.
 
-    python benchmarks/chaos.py                        # the embedded deployment, 300 s
-    python benchmarks/chaos.py --url http://localhost:8000 --proto h1 --server-log server.log
+    python -m benchmarks.chaos                        # the embedded deployment, 300 s
+    python -m benchmarks.chaos --url http://localhost:8000 --proto h1 --server-log server.log
 """
 
 from __future__ import annotations
@@ -39,18 +39,16 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from config import ConfigError, Deployment, load_deployment
+from experiments.live import requests_total
+from experiments.live import server as live_server
+from experiments.output import write_csv
+from workloads.generate import requests
+from workloads.metrics import Outcome, format_summary, summarize
+from workloads.replay import Client, build_workload, client_health, replay
+from workloads.replay import parser as replay_parser
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-from config import ConfigError, Deployment, load_deployment  # noqa: E402
-from experiments.live import requests_total  # noqa: E402
-from experiments.live import server as live_server  # noqa: E402
-from experiments.output import write_csv  # noqa: E402
-from workloads.generate import requests  # noqa: E402
-from workloads.metrics import Outcome, format_summary, summarize  # noqa: E402
-from workloads.replay import Client, build_workload, client_health, replay  # noqa: E402
-from workloads.replay import parser as replay_parser  # noqa: E402
 
 READY_LINE = re.compile(r"(\S+): ready in [\d.]+ s, context \d+ tokens, EngineCore pid ([\d,]+)")
 """What serving.engines.vllm_engine logs each time an engine (re)starts."""
@@ -76,7 +74,7 @@ class Chaos:
 
 def parser() -> argparse.ArgumentParser:
     p = replay_parser()
-    p.prog = "python benchmarks/chaos.py"
+    p.prog = "python -m benchmarks.chaos"
     p.description = __doc__.split("\n\n")[0]
     chaos = p.add_argument_group("chaos")
     chaos.add_argument("--kill-at", type=float, default=60.0, help="s after the load starts")

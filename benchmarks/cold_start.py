@@ -16,7 +16,7 @@ control, times it from launch to the first 200 of /readyz, and at once sends one
 
 and prints each status it got. `--runs` repeats it on a new server each time.
 
-    python benchmarks/cold_start.py --runs 3 --then vllm-bench
+    python -m benchmarks.cold_start --runs 3 --then vllm-bench
 """
 
 from __future__ import annotations

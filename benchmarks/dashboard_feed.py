@@ -17,7 +17,7 @@ Not counted: the transport's cost of sending the snapshots. It is one event a se
 the thousands of token events the server sends at this load; the ratio of the two is printed
 as context.
 
-    python benchmarks/dashboard_feed.py                 # 60 s at 20 req/s, about 1.5 minutes
+    python -m benchmarks.dashboard_feed                 # 60 s at 20 req/s, about 1.5 minutes
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from experiments.live import cpu_seconds, server
-from serving.metrics import CLIENTS_OWN, OK, SHED, RequestRecord
+from serving.outcomes import CLIENTS_OWN, OK, SHED, RequestRecord
 from serving.recent import Decision, Recent
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ client on a full core may have timed itself). Then the ratios the issue asks for
 aioquic/h3, full/h1 to starlette/h1. With --profile, py-spy samples the full server at its peak
 over each protocol and the top frames are printed.
 
-    python benchmarks/frontend_capacity.py            # about 5 minutes on 2 cores
+    python -m benchmarks.frontend_capacity            # about 5 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import multiprocessing
 import os
 import platform
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.live import cpu_seconds, free_port, server
+from experiments.live import cpu_seconds, server
+from serving.launch import free_port, launch
 from transport.tls import ensure_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,30 +307,19 @@ def drive(target: str, port: int, pid: int, streams: int, args: argparse.Namespa
 # -- the servers under test ---------------------------------------------------------------------
 
 
-def _pin() -> None:
-    os.sched_setaffinity(0, {SERVER_CPU})
-
-
 @contextlib.contextmanager
 def bare(kind: str, results: Path) -> Iterator[tuple[int, int]]:
     """One of the bare servers, this script run as it, on a free port of its protocol."""
     port = free_port(socket.SOCK_DGRAM if kind == "aioquic" else socket.SOCK_STREAM)
-    command = [sys.executable, __file__, "--serve", kind, "--port", str(port)]
-    with open(results / f"{kind}.log", "w") as log:
-        process = subprocess.Popen(
-            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pin
-        )
-    try:
-        time.sleep(3.0)  # both bind within a second; a failed start shows in the level's errors
-        if process.poll() is not None:
+    command = [sys.executable, "-m", "benchmarks.frontend_capacity", "--serve", kind,
+               "--port", str(port)]  # fmt: skip
+    # No page to ask whether it is ready (one serves bare QUIC): both bind within a second,
+    # and a failed start shows in the level's errors.
+    with launch(kind, command, port, "/", results / f"{kind}.log", cpus={SERVER_CPU}) as server:
+        time.sleep(3.0)
+        if server.process.poll() is not None:
             raise RuntimeError(f"the bare {kind} server exited; see {results / kind}.log")
-        yield port, process.pid
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        yield port, server.pid
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ HTTP/3 multiplexes every request as a stream on one QUIC connection; HTTP/1.1 us
 keep-alive connections, one request at a time each. The client runs in the same process as the
 trivial server (both protocols pay that equally), so absolute numbers are low; read the ratios.
 
-    python benchmarks/http3_vs_http1.py [--server http://localhost:8000 --h3-port 8443]
+    python -m benchmarks.http3_vs_http1 [--server http://localhost:8000 --h3-port 8443]
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ what separate machines (or a core each) would give, as long as the busiest proce
 CPU-bound; it is an upper bound, not a measurement. Read the measured ratio on a machine with at
 least three idle cores, and the ceiling ratio elsewhere.
 
-    .venv/bin/python benchmarks/masque_goodput.py [--mb 20] [--rounds 3] [--outer-mtu 1452]
+    .venv/bin/python -m benchmarks.masque_goodput [--mb 20] [--rounds 3] [--outer-mtu 1452]
         [--modes direct,capsule,datagram] [--loop asyncio|uvloop] [--profile client|proxy|server]
 
 `--loop uvloop` runs every process on uvloop instead of asyncio's selector loop. asyncio's
@@ -88,15 +88,13 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script from anywhere: the project's packages
-    sys.path.insert(0, str(ROOT))
+from transport.connection import CoalescingProtocol, widen_receive_buffer
+from transport.masque import AllowList
+from transport.masque.proxy import MasqueProxy
+from transport.masque.tunnel import UdpTunnel
+from transport.tls import ensure_certificate
 
-from transport.connection import CoalescingProtocol, widen_receive_buffer  # noqa: E402
-from transport.masque import AllowList  # noqa: E402
-from transport.masque.proxy import MasqueProxy  # noqa: E402
-from transport.masque.tunnel import UdpTunnel  # noqa: E402
-from transport.tls import ensure_certificate  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ALPN = "masque-goodput"
 KEY = "goodput-key"

@@ -2,7 +2,7 @@
 that under 1 ms at p99, for TCP and for QUIC.
 
 For each rate, two emulators with 25 ms each way and no loss:
-- TCP: `transport.probe` measures the idle round trip (UDP echoes), then sends a bulk TCP
+- TCP: `netsim.probe` measures the idle round trip (UDP echoes), then sends a bulk TCP
   transfer of about `--seconds` of the link's rate;
 - QUIC: our HTTP/3 client uploads as much in one request to a sink on the server side.
 
@@ -14,7 +14,7 @@ kernel and the TUN read on both sides, and the echoing processes.
     python -m benchmarks.netem_accuracy                   # 5 to 400 Mbit/s, about 2 min
     python -m benchmarks.netem_accuracy --rates 5,50 --seconds 2
 
-Needs root, as `python -m transport.netem` does.
+Needs root, as `python -m netsim.netem` does.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transport.link import LinkConfig
-from transport.netem import Netem, NetemError, check_can_run
+from netsim.link import LinkConfig
+from netsim.netem import Netem, NetemError, check_can_run
 
 ROOT = Path(__file__).resolve().parent.parent
 H3_PORT = 8443
@@ -105,7 +105,7 @@ def in_namespace(net: Netem, argv: list[str]) -> dict[str, Any]:
 def measure(rate_mbps: float, seconds: float) -> list[dict[str, Any]]:
     link = LinkConfig(rate_bps=rate_mbps * 1e6, delay_s=DELAY_S, queue_bytes=256_000)
     size = int(rate_mbps * 1e6 * seconds / 8)
-    probe = [sys.executable, "-m", "transport.probe"]
+    probe = [sys.executable, "-m", "netsim.probe"]
     me = [sys.executable, "-m", "benchmarks.netem_accuracy"]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

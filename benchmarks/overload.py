@@ -16,7 +16,7 @@ counters rose by exactly the number sent. Client and server share the machine: t
 on every core but the last (serving's pinning), the front-end and this client float; the table
 gives the share of a core each of them used.
 
-    python benchmarks/overload.py                    # embedded deployment, about 10 minutes
+    python -m benchmarks.overload                    # embedded deployment, about 10 minutes
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@
 every stream a priority from 1 to 10, seeded random, and 10 KB) goes through a real aioquic
 connection pair: a client `ScheduledQuicConnection` opens all N streams at once, each tagged
 with `set_stream_spec` and written in full with end_stream, and sends them to a server over
-`transport.simlink.SimulatedPath` in virtual time. The client's scheduler is `abs` or `pifo`;
+`netsim.simlink.SimulatedPath` in virtual time. The client's scheduler is `abs` or `pifo`;
 the server (untimed, `fcfs`) answers each finished request with an empty end_stream, as a
 response would, so that every stream closes on both sides and the client's connection removes
 it from its scheduler, as it does in service. A run ends when the server has received every
 byte and the client's scheduler is empty.
 
 Choices, and why:
-- link: 5 Mbit/s, 25 ms one way, no loss, 64 KB drop-tail queue (transport.link's defaults, the
+- link: 5 Mbit/s, 25 ms one way, no loss, 64 KB drop-tail queue (netsim.link's defaults, the
   seed's rate). Time is virtual, so the rate does not make a run slower to wait for; the wall
   time goes on Python work per packet, and the packet count barely depends on the rate.
 - packets: 9,000-byte datagrams (a jumbo frame; `--datagram-bytes`), 2 per 10 KB stream,
@@ -33,7 +33,7 @@ Choices, and why:
 - sanity: both policies must complete the streams (end_stream received at the server) in the
   same order, in every round; the simulation is deterministic, so they do.
 
-    python benchmarks/pifo_connection.py [--sizes 1000 10000] [--rounds 3] [--seed 0]
+    python -m benchmarks.pifo_connection [--sizes 1000 10000] [--rounds 3] [--seed 0]
                                          [--rate-mbps 5] [--datagram-bytes 9000]
                                          [--out results/pifo_connection/]
 """
@@ -46,7 +46,6 @@ import gc
 import random
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,20 +53,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import QuicEvent, StreamDataReceived
+from tqdm import tqdm
+
+from benchmarks.scheduler_overhead import machine, timer_overhead_s
+from netsim.link import LinkConfig
+from netsim.simlink import SimulatedPath
+from transport.connection import ScheduledQuicConnection
+from transport.schedulers import Scheduler, StreamSpec, make_scheduler
+from transport.tls import ensure_certificate
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from aioquic.quic.configuration import QuicConfiguration  # noqa: E402
-from aioquic.quic.connection import QuicConnection  # noqa: E402
-from aioquic.quic.events import QuicEvent, StreamDataReceived  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks.scheduler_overhead import machine, timer_overhead_s  # noqa: E402
-from transport.connection import ScheduledQuicConnection  # noqa: E402
-from transport.link import LinkConfig  # noqa: E402
-from transport.schedulers import Scheduler, StreamSpec, make_scheduler  # noqa: E402
-from transport.simlink import SimulatedPath  # noqa: E402
-from transport.tls import ensure_certificate  # noqa: E402
 
 STREAM_BYTES = 10_000  # 10 KB per stream, as in the seed
 POLICIES = ("pifo", "abs")

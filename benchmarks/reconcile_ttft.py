@@ -11,7 +11,7 @@ of. The server's TTFT histogram (`serving_ttft_seconds`, its mean over the run) 
 too, as a dashboard shows it.
 
     python -m serving --request-log results/requests.jsonl      # in another terminal
-    python benchmarks/reconcile_ttft.py --log results/requests.jsonl --rate 40
+    python -m benchmarks.reconcile_ttft --log results/requests.jsonl --rate 40
 """
 
 from __future__ import annotations

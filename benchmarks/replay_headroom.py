@@ -8,7 +8,7 @@ headroom of a protocol is the highest rate whose p99 send lag stays under 50 ms 
 request completed. Client and server share this machine's cores, as they would in a test rig
 with one box, so the machine is stated beside the numbers.
 
-    python benchmarks/replay_headroom.py --rates 50,100,200,400,800 --seconds 10
+    python -m benchmarks.replay_headroom --rates 50,100,200,400,800 --seconds 10
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import platform
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from experiments.live import cpu_seconds, free_port
+from experiments.live import cpu_seconds
+from serving.launch import free_port, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_P99_LAG_MS = 50.0
@@ -43,31 +41,17 @@ def main() -> int:
     p.add_argument("--out", default="results/replay_headroom.json")
     args = p.parse_args()
     port, h3_port = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_DGRAM)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "workloads.null_server", "--port", str(port),
-         "--h3-port", str(h3_port), "--first-token-ms", str(args.first_token_ms),
-         "--token-gap-ms", str(args.token_gap_ms)],
-        cwd=ROOT,
-    )  # fmt: skip
     work = ROOT / "results" / "replay_headroom"
     work.mkdir(parents=True, exist_ok=True)
+    null = [sys.executable, "-m", "workloads.null_server", "--port", str(port),
+            "--h3-port", str(h3_port), "--first-token-ms", str(args.first_token_ms),
+            "--token-gap-ms", str(args.token_gap_ms)]  # fmt: skip
     runs = []
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("the null server did not start") from None
-                time.sleep(0.2)
+    with launch("null-server", null, port, "/v1/models", work / "null.log", h3_port=h3_port) as up:
+        up.ready(30)
         for proto in args.protocols.split(","):
             for rate in (float(r) for r in args.rates.split(",")):
-                runs.append(one_run(args, proto, rate, port, h3_port, server.pid, work))
-    finally:
-        server.terminate()
-        server.wait(10)
+                runs.append(one_run(args, proto, rate, port, h3_port, up.pid, work))
     best = {}
     for proto in args.protocols.split(","):
         ok = [r["rate"] for r in runs if r["proto"] == proto and r["kept_up"]]

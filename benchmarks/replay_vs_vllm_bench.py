@@ -19,7 +19,7 @@ each client added to the server's own TTFT and E2E, request by request: a measur
 client alone.
 
     make serve                                   # in another terminal
-    python benchmarks/replay_vs_vllm_bench.py --rates 2,10,40 --rounds 5 --h3
+    python -m benchmarks.replay_vs_vllm_bench --rates 2,10,40 --rounds 5 --h3
 """
 
 from __future__ import annotations

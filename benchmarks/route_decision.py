@@ -12,7 +12,7 @@ first deployment): the same calls, each timed on both gateways in turn (which go
 alternates), the network-aware one's requests carrying paths of the mix. It prints both p99s and
 their difference, which issue 17 holds to 10 us.
 
-    python benchmarks/route_decision.py [--deployments paper-4gpu embedded] [--calls 20000]
+    python -m benchmarks.route_decision [--deployments paper-4gpu embedded] [--calls 20000]
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from config import Deployment, load_deployment
+from experiments.output import write_csv
+from router.paths import estimate_of
+from router.policies import make_policy
+from serving.gateway import AUTO, Gateway
+from serving.metrics import Metrics
+from serving.replicas import Replica, ReplicaSet
+from workloads import Message, Request
 
-from config import Deployment, load_deployment  # noqa: E402
-from experiments.output import write_csv  # noqa: E402
-from router.paths import estimate_of  # noqa: E402
-from router.policies import make_policy  # noqa: E402
-from serving.gateway import AUTO, Gateway  # noqa: E402
-from serving.metrics import Metrics  # noqa: E402
-from serving.replicas import Replica, ReplicaSet  # noqa: E402
-from workloads import Message, Request  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Idle:

@@ -1,7 +1,7 @@
 """How the server counts answers whose path back slows under them, while their client reads
 each one in full and closes at once.
 
-Every request gets a fresh HTTP/3 connection through a `transport.relay.LossyRelay`. The path is
+Every request gets a fresh HTTP/3 connection through a `netsim.relay.LossyRelay`. The path is
 fast (1 ms) while the connection measures it, then its way back slows to `--delays` (a route
 change, a loaded MASQUE tunnel) just before a non-streamed chat request. The server's probe
 timeout, sized to the fast path, fires before the answer's ACK can come back, and aioquic sends
@@ -9,7 +9,7 @@ the answer's packet again. The client has the whole answer either way; the table
 server counted them (`serving_requests_total` by outcome). Every one should be `ok`: before
 `transport.connection` kept the ACKs aioquic ignores, most were `cancelled`.
 
-    python benchmarks/rtt_spike.py --requests 40 --delays 0.1 0.3
+    python -m benchmarks.rtt_spike --requests 40 --delays 0.1 0.3
 
 It runs `python -m serving --deployment embedded-sim` (simulated engines: the transport is what
 is measured) and needs no GPU.
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from experiments.live import requests_total, server
+from netsim.link import LinkConfig
+from netsim.relay import LossyRelay
 from transport.client import Http3Client
-from transport.link import LinkConfig
-from transport.relay import LossyRelay
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "ignore_eos": True}
 

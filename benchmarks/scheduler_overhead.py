@@ -19,7 +19,7 @@ time.perf_counter; the cost of an empty perf_counter interval is calibrated firs
 alternate which policy runs first, so drift on a noisy machine touches both alike; the table
 shows medians over rounds.
 
-    python benchmarks/scheduler_overhead.py [--sizes 1000 10000 100000] [--rounds 3] [--seed 0]
+    python -m benchmarks.scheduler_overhead [--sizes 1000 10000 100000] [--rounds 3] [--seed 0]
                                             [--packets-per-stream N] [--out results/]
 """
 
@@ -33,17 +33,15 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from transport.schedulers import StreamSpec, make_scheduler
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tqdm import tqdm  # noqa: E402
-
-from transport.schedulers import StreamSpec, make_scheduler  # noqa: E402
 
 STREAM_BYTES = 10_000  # 10 KB per stream, as in the seed
 PACKET_BYTES = 1200

@@ -1,16 +1,16 @@
 """Soak: does anything grow that should not?
 
-    python benchmarks/soak.py streams [--streams 100000] [--scheduler ml]
-    python benchmarks/soak.py server --rate R [--minutes 30]
+    python -m benchmarks.soak streams [--streams 100000] [--scheduler ml]
+    python -m benchmarks.soak server --rate R [--minutes 30]
 
 `streams`: that many real-time streams, one after another in batches, through one QUIC connection
-whose server side schedules with `--scheduler`, over the virtual-time link (`transport.simlink`),
+whose server side schedules with `--scheduler`, over the virtual-time link (`netsim.simlink`),
 so it measures memory, not the machine's speed. tracemalloc measures what our own modules hold
 (`transport/schedulers.py`, `transport/connection.py`) after a warm-up and at the end: growth
 must stay under 1 MB. What aioquic itself keeps per stream is reported apart.
 
 `server`: `python -m serving` under Poisson load at `--rate` (70% of the capacity that
-`benchmarks/overload.py` finds) for `--minutes`, reporting the front-end's RSS and open file
+`benchmarks.overload` finds) for `--minutes`, reporting the front-end's RSS and open file
 descriptors and the engines' RSS at the start and at the end, every request's outcome, and
 whether the server counted each.
 """
@@ -45,10 +45,10 @@ def soak_streams(args: Namespace) -> dict:
     from aioquic.quic.connection import QuicConnection
     from aioquic.quic.events import QuicEvent, StreamDataReceived
 
+    from netsim.link import LinkConfig
+    from netsim.simlink import SimulatedPath
     from transport.connection import ScheduledQuicConnection
-    from transport.link import LinkConfig
     from transport.schedulers import StreamSpec
-    from transport.simlink import SimulatedPath
     from transport.tls import ensure_certificate
 
     cert = ensure_certificate(Path(tempfile.mkdtemp()), deterministic=True)

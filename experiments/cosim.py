@@ -31,6 +31,8 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataRecei
 
 from config import Deployment
 from experiments.transport_micro import CONGESTION_CONTROL, QUIC_STACKS, STACKS
+from netsim.link import LinkConfig
+from netsim.simlink import SimulatedPath
 from router.admission import admission_for
 from router.features import ArrivalRateEstimator
 from router.paths import END_BYTES, HEAD_BYTES, PROMPT_BYTES_PER_TOKEN, TOKEN_BYTES
@@ -39,9 +41,7 @@ from router.sim import DEADLINE, Finished, Job, Simulator
 from router.view import ClusterView
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
-from transport.link import LinkConfig
 from transport.qos import StreamDeadline, stream_spec
-from transport.simlink import SimulatedPath
 from workloads import Request
 
 ERROR_BYTES = 160

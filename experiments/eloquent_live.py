@@ -1,7 +1,7 @@
 """`sudo python -m experiments.eloquent_live`: Eloquent with the real embedded engines over the
 emulated link (seed 002 Figure 4, rebuilt live).
 
-For each RTT, a fresh TUN link emulator (`transport.netem`: 20 Mbit/s, seed 002's default
+For each RTT, a fresh TUN link emulator (`netsim.netem`: 20 Mbit/s, seed 002's default
 Gilbert-Elliott loss, about 15%, on both directions) with the embedded server
 (`python -m serving --deployment embedded`) in its server namespace and a client process in its
 client namespace. The client streams the same chat request with and without Eloquent, in turn
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from experiments.output import write_csv
+from netsim.link import GilbertElliott, LinkConfig
+from netsim.netem import Netem, NetemError, check_can_run
 from transport.client import Http3Client
 from transport.eloquent.sse import SseEvents, decode_text, split_text
-from transport.link import GilbertElliott, LinkConfig
-from transport.netem import Netem, NetemError, check_can_run
 from workloads.metrics import late_share, stall_ratio
 
 ROOT = Path(__file__).resolve().parent.parent

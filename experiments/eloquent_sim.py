@@ -2,7 +2,7 @@
 virtual time.
 
 A real aioquic client and server, with HTTP/3 and datagrams on, talk through a simulated link
-(`transport.simlink`) with bursty Gilbert-Elliott loss, one chain per direction (or, with
+(`netsim.simlink`) with bursty Gilbert-Elliott loss, one chain per direction (or, with
 `--ack-loss none`, on the downlink only). The server answers one chat request with the event
 stream that `serving.api` renders, one event every 100 ms for 30 s, on the HTTP/3 response stream,
 which QUIC delivers reliably and in order. Server and client run Eloquent through the same
@@ -60,6 +60,8 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from tqdm import tqdm
 
 from experiments.output import write_csv
+from netsim.link import GilbertElliott, LinkConfig
+from netsim.simlink import SimulatedPath
 from serving.api import _Shape
 from serving.engines.base import TokenDelta
 from transport.connection import adopt
@@ -73,8 +75,6 @@ from transport.eloquent import (
 )
 from transport.eloquent.driver import datagram_sender, withdraw
 from transport.eloquent.sse import split_text
-from transport.link import GilbertElliott, LinkConfig
-from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 from workloads.examples import corpus
 from workloads.metrics import late_share, stall_ratio

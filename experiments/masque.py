@@ -17,9 +17,9 @@ process is its own: client, proxy and target each run in their own namespace.
    random order, each 30 inner streams of 1 KB echoed; 5 Mbit/s, 0.5% loss, 50 ms. Outer rr,
    fcfs or abs; inner rr. The RTT of an inner stream runs from its request to its last echoed
    byte. Seed: under ABS the groups were nearly ordered by priority, about 4,000 ms mean RTT.
-3. pifo: `benchmarks/pifo_connection.py` (stream-management time of the heap against the sorted
+3. pifo: `benchmarks.pifo_connection` (stream-management time of the heap against the sorted
    list over a real aioquic connection, 1,000 and 10,000 streams of 10 KB, priorities 1 to 10)
-   and `benchmarks/scheduler_overhead.py`. Seed: 9.87 ms against 35.2 ms at 1,000 streams.
+   and `benchmarks.scheduler_overhead`. Seed: 9.87 ms against 35.2 ms at 1,000 streams.
 
 Choices the seed leaves open, and ours:
 - The loss and delay are on the client-proxy link (the seed's `tc` link), 25 ms each way; the
@@ -36,7 +36,7 @@ Choices the seed leaves open, and ours:
     sudo .venv/bin/python -m experiments.masque --quick         # 1 seed, smaller
     python -m experiments.masque --report                       # tables and plots again
 
-Results go to results/masque/. It needs root (network namespaces), as `transport.netem` does.
+Results go to results/masque/. It needs root (network namespaces), as `netsim.netem` does.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ from tqdm import tqdm
 
 from experiments.output import write_csv
 from experiments.transport_micro import CONGESTION_CONTROL, H3_PORT, mean_ci, serve
+from netsim.link import LinkConfig
+from netsim.netem import Netem, NetemError, check_can_run
 from transport.client import Http3Client
-from transport.link import LinkConfig
 from transport.masque import AllowList
 from transport.masque.proxy import MasqueProxy
 from transport.masque.tunnel import MasqueClient
-from transport.netem import Netem, NetemError, check_can_run
 from transport.schedulers import StreamSpec
 from transport.tls import ensure_certificate
 
@@ -593,12 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 PIFO_COMMANDS = {
     # One round through the connection: 10,000 streams take about 3 minutes a run.
     "full": [
-        ["benchmarks/scheduler_overhead.py", "--sizes", "1000", "10000", "100000"],
-        ["benchmarks/pifo_connection.py", "--sizes", "1000", "10000", "--rounds", "1"],
+        ["-m", "benchmarks.scheduler_overhead", "--sizes", "1000", "10000", "100000"],
+        ["-m", "benchmarks.pifo_connection", "--sizes", "1000", "10000", "--rounds", "1"],
     ],
     "quick": [
-        ["benchmarks/scheduler_overhead.py", "--sizes", "1000", "10000"],
-        ["benchmarks/pifo_connection.py", "--sizes", "1000", "--rounds", "1"],
+        ["-m", "benchmarks.scheduler_overhead", "--sizes", "1000", "10000"],
+        ["-m", "benchmarks.pifo_connection", "--sizes", "1000", "--rounds", "1"],
     ],
 }
 

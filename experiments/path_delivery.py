@@ -3,7 +3,7 @@ against the packet-level one, per path of a mix.
 
 Packet level: each response on a QUIC connection of its own (real aioquic, its ends with a few
 RTT samples and then idle, as between a client's turns) over its own copy of the path's link
-(`transport.link`, driven in virtual time by `transport.simlink`): the request goes up, and the
+(`netsim.link`, driven in virtual time by `netsim.simlink`): the request goes up, and the
 server writes each token's SSE event at the time the simulated engine made it. The client times
 the whole request and every token. That is a client per request, as the router's simulator has
 it.
@@ -33,6 +33,8 @@ from tqdm import tqdm
 from config import DEFAULT_PATH, load
 from config.schema import PathSpec
 from experiments.output import write_csv
+from netsim.link import GilbertElliott, LinkConfig
+from netsim.simlink import SimulatedPath
 from router.paths import (
     END_BYTES,
     HEAD_BYTES,
@@ -43,8 +45,6 @@ from router.paths import (
 )
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
-from transport.link import GilbertElliott, LinkConfig
-from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 
 CONGESTION_CONTROL = "cubic"

@@ -3,7 +3,7 @@ live, with clients on the four emulated paths of the `mixed` mix at once (issue 
 
 The same requests as `experiments.paths`' simulation, each from a client on the path the
 simulator drew for it (`router.paths.ClientPaths`, the same seed): the star topology of
-`transport.netem`, one client namespace a path, each behind its own emulated link (the mix's
+`netsim.netem`, one client namespace a path, each behind its own emulated link (the mix's
 rate, delay and loss; seed 002's Gilbert-Elliott chain on the bad one), and the real server
 (`python -m serving --deployment paper-4gpu-sim`, the digital twin of the paper deployment) in
 the server namespace: network-blind as it ships, network-aware with `--paths mixed`. Each path's
@@ -45,9 +45,9 @@ from experiments.paths import policies as sim_policies
 from experiments.transport_macro import met_at_client, score
 from experiments.transport_macro_live import as_delivery
 from experiments.transport_micro import CONGESTION_CONTROL
+from netsim.netem import Netem, NetemError, check_can_run
 from router.evaluate import mean_reward, simulate
 from router.paths import ClientPaths
-from transport.netem import Netem, NetemError, check_can_run
 from workloads.arrivals import ArrivalProcess, Poisson, SwitchingRate
 from workloads.generate import WorkloadSpec, requests
 from workloads.metrics import Outcome

@@ -53,8 +53,8 @@ from experiments.cosim import CoSimulation, Delivery
 from experiments.output import write_csv
 from experiments.policies import baselines
 from experiments.transport_micro import LINK_3G, STACKS, mean_ci
+from netsim.link import LinkConfig
 from router.paths import TOKEN_BYTES
-from transport.link import LinkConfig
 from transport.tls import ensure_certificate
 from workloads import Message, Request
 from workloads.arrivals import Poisson, SwitchingRate

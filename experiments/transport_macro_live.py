@@ -6,7 +6,7 @@ TLS/TCP stacks, at 3 rates of the stable workload. Each (cell, rate) is one run 
 cluster, as in the co-simulation, with the same requests:
 
 - virtual: `experiments.cosim`, as `python -m experiments.transport_macro` runs it;
-- live: a fresh emulated 3G link (`transport.netem`, the co-simulation's link and loss seed), the
+- live: a fresh emulated 3G link (`netsim.netem`, the co-simulation's link and loss seed), the
   real server (`python -m serving --deployment paper-4gpu-sim`) in its server namespace, with the
   stack's QUIC scheduler and CUBIC, or `--tls` for the TCP stacks; and the load generator
   (`python -m workloads.replay --requests`) in its client namespace, sending exactly the
@@ -58,7 +58,7 @@ from experiments.transport_macro import (
     workload,
 )
 from experiments.transport_micro import CONGESTION_CONTROL, LINK_3G, STACKS, TCP_STACKS
-from transport.netem import Netem, NetemError, check_can_run
+from netsim.netem import Netem, NetemError, check_can_run
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
 from workloads.metrics import Outcome

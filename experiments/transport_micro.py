@@ -25,7 +25,7 @@ Choices the thesis leaves open:
     python -m experiments.transport_micro --quick         # 2 seeds, 30 requests
 
 Each run has its own emulator, server and client processes; results go to results/transport_micro/.
-It needs root (network namespaces), as `python -m transport.netem` does.
+It needs root (network namespaces), as `python -m netsim.netem` does.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from tqdm import tqdm
 
 from config import load_deployment
 from experiments.output import write_csv
-from transport.link import LinkConfig
-from transport.netem import Netem, NetemError, check_can_run
+from netsim.link import LinkConfig
+from netsim.netem import Netem, NetemError, check_can_run
 from transport.schedulers import SCHEDULERS
 
 OUT = Path("results/transport_micro")

@@ -8,7 +8,7 @@ One model, two uses:
   much of a request's budget is left for the server.
 
 It is analytic, for training speed: a few draws per request where the packet-level model
-(real aioquic over `transport.link`'s link, `experiments.path_delivery`) takes thousands of
+(real aioquic over `netsim.link`'s link, `experiments.path_delivery`) takes thousands of
 events. Its mean delivery time is within 10% of that model's on the LAN, LTE and 3G paths of the
 `mixed` mix; on the bad path it comes out 13% short (README), its tail of probe-timeout backoffs
 lighter than aioquic's.

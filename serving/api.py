@@ -21,11 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from serving import metrics as outcomes
+from serving import outcomes
 from serving.engines.base import TokenDelta, TokenLogprob
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
 from serving.logprobs import chat_logprobs, completion_logprobs
-from serving.metrics import Metrics, RequestRecord
+from serving.metrics import Metrics
+from serving.outcomes import RequestRecord
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -439,7 +440,7 @@ class _Shape:
         # differ only in their text: the chunk is rendered once around a placeholder and only
         # the text is encoded per event, to the same bytes. Rendering the whole chunk was the
         # largest share of the HTTP/1.1 server's CPU per event (12%, profiled by
-        # benchmarks/frontend_capacity.py --profile). The text is the last string in the chunk,
+        # benchmarks.frontend_capacity --profile). The text is the last string in the chunk,
         # after the request id, which a client may choose. Chunks with logprobs differ in more.
         head, _, tail = _event(self.chunk(_SLOT, None, False)).rpartition(_SLOT_JSON)
         first = True

@@ -13,7 +13,8 @@ from config import Deployment
 from router.policies import make_policy
 from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
 from serving.gateway import Gateway
-from serving.metrics import INVALID, Metrics
+from serving.metrics import Metrics
+from serving.outcomes import INVALID
 from serving.pages import add_pages
 from serving.replicas import ReplicaSet
 from transport.drain import Draining

@@ -19,7 +19,7 @@ from router.admission import Admission, Expected, Shed, admission_for, assumed_o
 from router.features import ArrivalRateEstimator
 from router.policies import Policy, encoder_for
 from router.view import ClusterView
-from serving import metrics as outcomes
+from serving import outcomes
 from serving.engines.base import (
     UNFINISHED,
     EngineError,
@@ -29,7 +29,8 @@ from serving.engines.base import (
     TokenDelta,
 )
 from serving.key_limits import KeyLimiter, OverLimit
-from serving.metrics import Metrics, RequestRecord
+from serving.metrics import Metrics
+from serving.outcomes import RequestRecord
 from serving.recent import Decision
 from serving.replicas import Replica, ReplicaSet
 from workloads import Request

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import TypeVar
 
 from prometheus_client import (
@@ -29,24 +26,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from serving.outcomes import CANCELLED, CLIENTS_OWN, OK, SHED, STOPPED, RequestRecord
 from serving.recent import Recent
 from serving.replicas import ReplicaSet
-
-# Outcomes of a request. Every request the API accepts ends in exactly one of them.
-OK = "ok"
-INVALID = "invalid"  # 4xx: the request itself was wrong
-REFUSED = "refused"  # 401/403: no key, or a class the key does not grant
-UNAVAILABLE = "unavailable"  # 503: no healthy replica could take it
-DEADLINE = "deadline"  # no first token within the class's deadline
-ENGINE_ERROR = "engine_error"  # the engine failed after accepting it
-CANCELLED = "cancelled"  # the client went away first
-LIMITED = "limited"  # 429: its API key was over its rate or concurrency limit
-SHED = "shed"  # 429: no replica could have given its first token in time (admission control)
-DRAINING = "draining"  # 503 (HTTP/3: rejected after GOAWAY): it came while the server was stopping
-STOPPED = "stopped"  # still running when the server's drain time ran out, and cut
-CLIENTS_OWN = frozenset({INVALID, REFUSED, LIMITED, CANCELLED})
-"""Outcomes of the client's own making, which say nothing of the server: the dashboard's SLO
-attainment counts them neither for nor against it."""
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -58,71 +40,6 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0)
 
 request_log = logging.getLogger("serving.requests")
 """One JSON line per request; `python -m serving --request-log` says where it goes."""
-
-
-@dataclass
-class RequestRecord:
-    """One request's account, filled in as it goes; times are time.monotonic()."""
-
-    request_id: str | None
-    qos_class: str | None
-    arrival: float
-    """When the request reached the server (or the trusted edge in front of it)."""
-    tier: str | None = None
-    via_edge: bool = False
-    protocol: str | None = None
-    """The HTTP version it came over."""
-    received: float | None = None
-    """When the handler took it up: after the body was read and parsed."""
-    routed: float | None = None
-    """When it was dispatched to its replica (the last one, if one was skipped)."""
-    first_token: float | None = None
-    last_token: float | None = None
-    model: str | None = None
-    replica: str | None = None
-    prompt_tokens: int = 0
-    tokens: int = 0
-    client_rtt_s: float | None = None
-    """The client's path as the router saw it (`transport.qos.path_of`): its smoothed RTT..."""
-    client_loss: float | None = None
-    """...and the share of packets lost to it so far."""
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Seconds per output token after the first; None with fewer than two tokens."""
-        if self.first_token is None or self.last_token is None or self.tokens < 2:
-            return None
-        return (self.last_token - self.first_token) / (self.tokens - 1)
-
-    def line(self, outcome: str, slo_met: bool) -> str:
-        def span(start: float | None, end: float | None) -> float | None:
-            return None if start is None or end is None else round(end - start, 6)
-
-        wall_arrival = time.time() - (time.monotonic() - self.arrival)
-        return json.dumps(
-            {
-                "request_id": self.request_id,
-                "qos_class": self.qos_class,
-                "tier": self.tier,
-                "via_edge": self.via_edge,
-                "protocol": self.protocol,
-                "model": self.model,
-                "replica": self.replica,
-                "arrival": round(wall_arrival, 6),
-                "queue_s": span(self.arrival, self.received),
-                "route_s": span(self.received, self.routed),
-                "engine_ttft_s": span(self.routed, self.first_token),
-                "ttft_s": span(self.arrival, self.first_token),
-                "e2e_s": span(self.arrival, self.last_token),
-                "prompt_tokens": self.prompt_tokens,
-                "tokens": self.tokens,
-                "client_rtt_s": self.client_rtt_s,
-                "client_loss": self.client_loss,
-                "outcome": outcome,
-                "slo_met": slo_met,
-            },
-            separators=(",", ":"),
-        )
 
 
 class Metrics:

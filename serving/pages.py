@@ -74,7 +74,7 @@ def _file(files: Mapping[str, bytes], name: str) -> Response:
 @dataclass
 class FeedCost:
     """The CPU the dashboard's snapshots have taken in this process: the feed's own cost,
-    which it reports in every snapshot (benchmarks/dashboard_feed.py reads it)."""
+    which it reports in every snapshot (benchmarks.dashboard_feed reads it)."""
 
     cpu_s: float = 0.0
     snapshots: int = 0

@@ -16,10 +16,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # only for the annotation: metrics imports this module
-    from serving.metrics import RequestRecord
+from serving.outcomes import RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

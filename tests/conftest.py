@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,9 @@ import pytest
 import yaml
 from aioquic.quic.configuration import QuicConfiguration
 
+from serving.launch import Launched, NotReady, free_port
+from serving.launch import launch as start_server
+from serving.launch import serving_command as serving_args
 from serving.replicas import PROBE_BACKOFF
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
@@ -39,12 +41,6 @@ EDGE_KEY = "test-edge-key"
 TUNNEL_KEY = "test-tunnel-key"
 """May open MASQUE tunnels to any port on this machine (tier `tunnel`, `127.0.0.1:*`)."""
 STARTUP_TIMEOUT_S = 240
-
-
-def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_udp_port() -> int:
@@ -88,19 +84,11 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
 
 
 @dataclass
-class Server:
-    """A server process on localhost."""
+class Server(Launched):
+    """A server process on localhost (`serving.launch`), with what tests ask of it."""
 
-    name: str
-    process: subprocess.Popen
-    port: int
-    log: Path
-    health_path: str
-    h3_port: int | None = None
     request_log: Path | None = None
     """`python -m serving --request-log`: one JSON line per request."""
-    tls: bool = False
-    """`--tls`: HTTPS on `port`, under the self-signed certificate."""
     masque_port: int | None = None
     """An edge's `--masque`: its CONNECT-UDP proxy's UDP port."""
 
@@ -123,36 +111,15 @@ class Server:
         assert len(lines) == 1, f"{len(lines)} log lines for request {request_id}"
         return lines[0]
 
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
-
     def wait_ready(self) -> Server:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                answer = httpx.get(self.url + self.health_path, timeout=2, verify=False)
-                if answer.status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready after {STARTUP_TIMEOUT_S} s:\n{self.tail()}")
-            time.sleep(0.5)
+        try:
+            self.ready(STARTUP_TIMEOUT_S)
+        except NotReady as exc:
+            pytest.fail(str(exc))
+        return self
 
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+    def stop(self, timeout_s: float = 20.0) -> None:
+        super().stop(timeout_s)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of /metrics (0 if absent)."""
@@ -176,22 +143,13 @@ def launch(
     env: dict[str, str] | None = None,
     h3_port: int | None = None,
 ) -> Server:
-    log = log_dir / f"{name}.log"
-    process = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    return Server(name, process, port, log, health_path, h3_port)
+    started = start_server(name, args, port, health_path, log_dir / f"{name}.log", env, h3_port)
+    return Server(**vars(started))
 
 
 def serving_command(config: Path, deployment: str, port: int, *extra: str) -> list[str]:
     """`python -m serving` for a deployment of the test config."""
-    return [PYTHON, "-m", "serving", "--config", str(config), "--deployment", deployment,
-            "--port", str(port), *extra]  # fmt: skip
+    return serving_args(deployment, port, "--config", str(config), *extra)
 
 
 def remote_placement(port: int) -> list[dict]:

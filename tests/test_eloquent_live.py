@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from netsim.link import GilbertElliott, LinkConfig
+from netsim.relay import LossyRelay
 from tests.conftest import Server
 from transport.client import Http3Client
-from transport.link import GilbertElliott, LinkConfig
-from transport.relay import LossyRelay
 from workloads.chat import ChatResult, read_chat_stream
 
 BODY = {

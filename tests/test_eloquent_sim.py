@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments.eloquent_sim import SCHEMES, Session, loss_limit, server_events, words
-from transport.link import GilbertElliott, LinkConfig, LinkDirection
+from netsim.link import GilbertElliott, LinkConfig, LinkDirection
 from transport.tls import ensure_certificate
 
 

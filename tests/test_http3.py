@@ -12,11 +12,11 @@ import httpx
 import pytest
 from aioquic.h3.connection import ErrorCode
 
+from netsim.link import LinkConfig
+from netsim.relay import LossyRelay
 from tests.conftest import CERT, PREMIUM_KEY, Server, wait_until
 from tests.test_api import HELLO, _in_flight_is_zero
 from transport.client import Http3Client, StreamError
-from transport.link import LinkConfig
-from transport.relay import LossyRelay
 from workloads.chat import chat_body, chat_h3
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

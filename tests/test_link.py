@@ -1,4 +1,4 @@
-"""The link model (`transport.link`): rate, drop-tail queue and delay, on a virtual clock."""
+"""The link model (`netsim.link`): rate, drop-tail queue and delay, on a virtual clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from transport.link import DeliveryTrace, GilbertElliott, LinkConfig, LinkDirection
+from netsim.link import DeliveryTrace, GilbertElliott, LinkConfig, LinkDirection
 
 SIZE = 1000
 """Bytes a datagram: 1.6 ms on the wire at 5 Mbit/s."""

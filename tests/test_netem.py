@@ -1,7 +1,7 @@
-"""The link emulator (`transport.netem`): real kernel TCP and UDP between network namespaces.
+"""The link emulator (`netsim.netem`): real kernel TCP and UDP between network namespaces.
 
 Statistical checks against the configured link, each under a seed, measured end to end by
-`transport.probe` from the client's namespace to the server's. They need root and /dev/net/tun,
+`netsim.probe` from the client's namespace to the server's. They need root and /dev/net/tun,
 as the emulator does; without them they are skipped, with the reason.
 """
 
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from transport.link import DeliveryTrace, GilbertElliott, LinkConfig
-from transport.netem import PREFIX, Netem, NetemError, Topology, check_can_run
+from netsim.link import DeliveryTrace, GilbertElliott, LinkConfig
+from netsim.netem import PREFIX, Netem, NetemError, Topology, check_can_run
 
 try:
     check_can_run()
 except NetemError as reason:
     pytest.skip(str(reason), allow_module_level=True)
 
-PROBE = [sys.executable, "-m", "transport.probe"]
+PROBE = [sys.executable, "-m", "netsim.probe"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -126,7 +126,7 @@ def test_traffic_cannot_leave_the_emulated_network() -> None:
 
 def shell(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "transport.netem", *args],
+        [sys.executable, "-m", "netsim.netem", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -209,7 +209,7 @@ def test_the_shell_refuses_to_run_without_root() -> None:
             "--clear-groups",
             sys.executable,
             "-c",
-            "from transport.netem import main; raise SystemExit(main(['--', 'true']))",
+            "from netsim.netem import main; raise SystemExit(main(['--', 'true']))",
         ],
         cwd=ROOT,
         capture_output=True,

@@ -276,7 +276,7 @@ def test_the_page_files_ship_in_the_package() -> None:
 
 
 def test_the_recorder_keeps_a_sliding_minute_per_class() -> None:
-    from serving.metrics import CLIENTS_OWN, OK, REFUSED, SHED, RequestRecord
+    from serving.outcomes import CLIENTS_OWN, OK, REFUSED, SHED, RequestRecord
     from serving.recent import Recent
 
     now = [1000.0]

@@ -11,10 +11,12 @@ import httpx
 from aioquic.quic.events import StreamDataReceived
 
 from config.paths import PathEstimate
+from netsim.link import LinkConfig
+from netsim.relay import LossyRelay
+from netsim.simlink import SimulatedPath
 from tests.conftest import EDGE_KEY, Server, quic_pair
 from transport.client import Http3Client
 from transport.http3 import Http3Settings
-from transport.link import LinkConfig
 from transport.qos import (
     EDGE_KEY as EDGE_KEY_HEADER,
 )
@@ -28,9 +30,7 @@ from transport.qos import (
     parse_path,
     path_of,
 )
-from transport.relay import LossyRelay
 from transport.schedulers import StreamSpec
-from transport.simlink import SimulatedPath
 from transport.tcpinfo import tcp_path
 from transport.tls import ensure_certificate
 

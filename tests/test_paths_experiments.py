@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments import paths, paths_live
-from transport.netem import NetemError, check_can_run
+from netsim.netem import NetemError, check_can_run
 
 try:
     check_can_run()

@@ -1,5 +1,5 @@
 """The schedulers' behaviours over real aioquic connections, in virtual time, through a simulated
-link with delay, loss and rate (transport.simlink). Deterministic under a seed."""
+link with delay, loss and rate (netsim.simlink). Deterministic under a seed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StreamDataReceived, StreamReset
 
+from netsim.link import LinkConfig
+from netsim.simlink import SimulatedPath
 from transport.connection import EXPIRED_ERROR, ScheduledQuicConnection, StreamExpired
-from transport.link import LinkConfig
 from transport.schedulers import DEFAULT_SPEC, StreamSpec
-from transport.simlink import SimulatedPath
 from transport.tls import ensure_certificate
 
 LONG = 100_000

@@ -11,8 +11,8 @@ import pytest
 from config import load_deployment
 from experiments import transport_macro
 from experiments.cosim import STACKS, CoSimulation
+from netsim.link import LinkConfig
 from router.policies import Static
-from transport.link import LinkConfig
 from transport.tls import ensure_certificate
 from workloads import Request
 from workloads.arrivals import Poisson

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import transport_macro_live
 from experiments.transport_macro import workload
-from transport.netem import NetemError, check_can_run
+from netsim.netem import NetemError, check_can_run
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
 from workloads.metrics import Outcome

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from experiments import transport_micro
-from transport.netem import NetemError, check_can_run
+from netsim.netem import NetemError, check_can_run
 
 try:
     check_can_run()

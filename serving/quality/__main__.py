@@ -15,11 +15,8 @@ import logging
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -32,8 +29,10 @@ from config import (
     load,
     load_deployment,
 )
-from serving.quality.evaluate import Sample, Score
-from serving.quality.table import SeedRow, Table, comparison, write
+from config.quality import MeasuredQuality, Score
+from serving.launch import NotReady, free_port, launch, serving_command
+from serving.quality.evaluate import NUM_FEWSHOT, Sample
+from serving.quality.table import SeedRow, comparison
 from serving.quality.tasks import FIXTURES, TASKS, data_file
 
 STARTUP_TIMEOUT_S = 600.0
@@ -121,9 +120,12 @@ def main() -> int:
 
     data = "fixtures" if args.data_dir.resolve() == FIXTURES else str(args.data_dir)
     command = shlex.join(["python", "-m", "serving.quality", *sys.argv[1:]])
-    table = Table(command, datetime.date.today().isoformat(), deployment.name, data, scores)
+    table = MeasuredQuality(
+        command=command, date=datetime.date.today().isoformat(), deployment=deployment.name,
+        data=data, num_fewshot=NUM_FEWSHOT, tasks=scores,
+    )  # fmt: skip
     out = args.out or Path("results/quality") / f"{deployment.name}.yaml"
-    write(table, out)
+    table.write(out)
     if args.samples is not None:
         args.samples.parent.mkdir(parents=True, exist_ok=True)
         args.samples.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
@@ -221,61 +223,23 @@ def _server(config: str, deployment: str, port: int | None) -> Iterator[str]:
 
     Admission control is off: a quality run measures the models, and a request shed because
     the engines were busy with its own batch would only be retried."""
-    port = port or _free_port()
-    logfile = Path(tempfile.mkstemp(prefix=f"quality-{deployment}-", suffix=".log")[1])
-    command = [sys.executable, "-m", "serving", "--config", config, "--deployment", deployment,
-               "--port", str(port), "--h3-port", "0", "--request-log", "off",
-               "--admission", "none"]  # fmt: skip
-    with logfile.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(process, url, logfile)
-        yield url
-    finally:
-        _stop(process)
-    logfile.unlink()  # kept only when something went wrong
-
-
-def _wait_ready(process: subprocess.Popen, url: str, logfile: Path) -> None:
-    import httpx
     from tqdm import tqdm
 
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with tqdm(desc="starting the server", bar_format="{desc}: {elapsed}") as waiting:
-        while True:
-            if process.poll() is not None:
-                tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-30:])
-                sys.exit(f"the server exited with {process.returncode} ({logfile}):\n{tail}")
-            # /readyz answers 200 only once every replica is up.
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                _stop(process)
-                sys.exit(f"the server was not ready after {STARTUP_TIMEOUT_S:.0f} s: {logfile}")
-            time.sleep(0.5)
-            waiting.update()
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """A graceful stop (the server drains and stops its engines), then whatever of its process
-    group is left: vLLM workers outlive their server by seconds, a killed one's for good."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    port = port or free_port()
+    log = Path(tempfile.mkstemp(prefix=f"quality-{deployment}-", suffix=".log")[1])
+    flags = ["--config", config, "--h3-port", "0", "--request-log", "off", "--admission", "none"]
+    command = serving_command(deployment, port, *flags)
+    with (
+        launch("the server", command, port, "/readyz", log) as server,
+        tqdm(desc="starting the server", bar_format="{desc}: {elapsed}") as waiting,
+    ):
+        try:
+            server.ready(STARTUP_TIMEOUT_S, tick=waiting.update)
+        except NotReady as exc:
+            sys.exit(f"{exc}\n(the whole log: {log})")
+        waiting.close()
+        yield server.url
+    log.unlink()  # kept only when something went wrong
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from config.quality import Score
 from serving.quality.tasks import task_spec
 
 if TYPE_CHECKING:
@@ -27,16 +28,6 @@ ADD_BOS = True
 as OPT saw every document in training). lm-eval's defaults disagree: its vllm backend lets the
 tokenizer add it, its API backends do not, which would make the two score different token
 sequences."""
-
-
-@dataclass(frozen=True)
-class Score:
-    """One model's accuracy on one task."""
-
-    acc: float
-    stderr: float | None
-    """lm-eval's standard error of the mean; None with a single item."""
-    n: int
 
 
 @dataclass(frozen=True)

@@ -1,57 +1,11 @@
-"""The quality table: the file models.yaml references, and the comparison printed beside seed
-004's Table 1."""
+"""The quality table (`config.quality.MeasuredQuality`, the file models.yaml references) beside
+seed 004's Table 1, as the quality command prints it."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from serving.quality.evaluate import NUM_FEWSHOT, Score
-
-
-@dataclass(frozen=True)
-class Table:
-    command: str
-    date: str
-    """ISO date of the run."""
-    deployment: str
-    data: str
-    """The data directory, or 'fixtures' for the shipped ones."""
-    scores: dict[str, dict[str, Score]]
-    """task -> model -> score."""
-
-
-def render(table: Table) -> str:
-    """The table as YAML, written by hand so that each score stays one flow mapping per line."""
-
-    def quoted(text: str) -> str:
-        return json.dumps(text)  # a JSON string is a YAML double-quoted scalar
-
-    def number(value: float | None) -> str:
-        return "null" if value is None else f"{value:.4f}"
-
-    lines = [
-        "# written by python -m serving.quality",
-        f"command: {quoted(table.command)}",
-        f"date: {quoted(table.date)}",
-        f"deployment: {table.deployment}",
-        f"data: {quoted(table.data)}",
-        f"num_fewshot: {NUM_FEWSHOT}",
-        "tasks:",
-    ]
-    for task, by_model in table.scores.items():
-        lines.append(f"  {task}:")
-        for model, s in by_model.items():
-            lines.append(
-                f"    {model}: {{acc: {number(s.acc)}, stderr: {number(s.stderr)}, n: {s.n}}}"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def write(table: Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(table))
+from config.quality import MeasuredQuality
 
 
 def normalised(by_model: dict[str, float]) -> dict[str, float]:
@@ -72,13 +26,13 @@ class SeedRow:
 
 
 def comparison(
-    table: Table, seed: dict[str, dict[str, float]], rows: dict[str, SeedRow | None]
+    table: MeasuredQuality, seed: dict[str, dict[str, float]], rows: dict[str, SeedRow | None]
 ) -> str:
     """Accuracy, the same normalised to the best model of each task, and the seed's Table 1
     normalised over the same models, where the seed has them."""
     header = f"{'task':<11} {'model':<10} {'acc':>7} {'stderr':>7} {'n':>5} {'norm.':>6}   seed"
     out = [header, "-" * (len(header) + 30)]
-    for task, by_model in table.scores.items():
+    for task, by_model in table.tasks.items():
         ours = normalised({m: s.acc for m, s in by_model.items()})
         theirs = normalised(
             {

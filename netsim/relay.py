@@ -3,7 +3,7 @@
 The kernel here has no netem (FACTS), so live lossy runs go through this instead: the client
 talks to the relay's port, and the relay forwards each datagram to the server (and each reply
 back) after the link's serialisation and propagation delay, or drops it, with the same
-`transport.link` model, rate, delay, uniform or Gilbert-Elliott loss, that the virtual-time
+`netsim.link` model, rate, delay, uniform or Gilbert-Elliott loss, that the virtual-time
 experiments use. One relay serves one client address.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from transport.link import LinkConfig, LinkDirection
+from netsim.link import LinkConfig, LinkDirection
 
 
 class _Side(asyncio.DatagramProtocol):

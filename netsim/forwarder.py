@@ -1,12 +1,12 @@
-"""The TUN forwarder: copies IP packets between TUN devices through `transport.link`'s model.
+"""The TUN forwarder: copies IP packets between TUN devices through `netsim.link`'s model.
 
-`transport.netem` opens one TUN device for each end of each link, moves them into its network
+`netsim.netem` opens one TUN device for each end of each link, moves them into its network
 namespaces, and starts this as a child process with their file descriptors, so that real kernel
 TCP and UDP cross the emulated link. It runs in its own process so that the emulated link keeps
 its timing whatever the processes at either end are doing, and so that it dies with its parent:
 it exits when its stdin (a pipe from the parent) closes, even after a SIGKILL of the parent.
 
-`python -m transport.forwarder` reads its `Spec` pickled on stdin; it is not for people to run.
+`python -m netsim.forwarder` reads its `Spec` pickled on stdin; it is not for people to run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transport.link import LinkConfig, LinkDirection
+from netsim.link import LinkConfig, LinkDirection
 
 NETWORK = bytes([10, 77])
 """The /16 that the emulator's namespaces live in; a packet addressed elsewhere is dropped, so

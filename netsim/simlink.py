@@ -4,7 +4,7 @@ aioquic is sans-IO: every call takes `now`. This drives a client and a server co
 process through a link with a rate (serialisation delay and a FIFO queue), a one-way propagation
 delay and random loss, all in virtual time under a seed. The same seed gives the same packets,
 losses and timings, so scheduler behaviour can be tested exactly and fast: seconds of link time
-take milliseconds. The link itself is `transport.link`'s model, which the UDP relay drives too.
+take milliseconds. The link itself is `netsim.link`'s model, which the UDP relay drives too.
 The kernel here has no netem (FACTS); the real-network emulator is for the live system, this
 is for tests and simulations.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent
 
-from transport.link import LinkConfig, LinkDirection
+from netsim.link import LinkConfig, LinkDirection
 
 CLIENT_ADDR = ("10.0.0.1", 4433)
 SERVER_ADDR = ("10.0.0.2", 443)

@@ -1,8 +1,8 @@
 """A link emulator between network namespaces, for real kernel TCP and UDP alike.
 
 The kernel here has no `sch_netem` (FACTS), so the link is emulated in user space: each link is a
-pair of TUN devices, one in the namespace at either end, and `transport.forwarder` copies the IP
-packets between them through `transport.link`'s model (rate or delivery trace, delay, loss).
+pair of TUN devices, one in the namespace at either end, and `netsim.forwarder` copies the IP
+packets between them through `netsim.link`'s model (rate or delivery trace, delay, loss).
 
 Topologies:
 - `pair`: a client and a server;
@@ -15,7 +15,7 @@ namespaces made here, and the forwarder drops anything addressed elsewhere.
 
 As a shell, like Mahimahi's `mm-link`:
 
-    python -m transport.netem --rate-mbps 5 --delay-ms 25 --loss 0.005 \\
+    python -m netsim.netem --rate-mbps 5 --delay-ms 25 --loss 0.005 \\
         --server-cmd 'python -m serving --host 0.0.0.0' -- python -m workloads.chat ...
 
 runs the server command in the server's namespace and CMD in the client's, with `NETEM_SERVER`
@@ -41,8 +41,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from transport.forwarder import LinkFds, Spec
-from transport.link import DeliveryTrace, GilbertElliott, LinkConfig
+from netsim.forwarder import LinkFds, Spec
+from netsim.link import DeliveryTrace, GilbertElliott, LinkConfig
 
 Topology = Literal["pair", "chain", "star"]
 TOPOLOGIES: tuple[Topology, ...] = ("pair", "chain", "star")
@@ -251,7 +251,7 @@ class Netem:
                 )
             spec = pickle.dumps(Spec(tuple(links), self.stats_path))
             self._forwarder = subprocess.Popen(
-                [sys.executable, "-m", "transport.forwarder"],
+                [sys.executable, "-m", "netsim.forwarder"],
                 stdin=subprocess.PIPE,
                 pass_fds=fds,
                 cwd=Path(__file__).resolve().parent.parent,
@@ -337,7 +337,7 @@ def link_from_arguments(args: argparse.Namespace) -> LinkConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m transport.netem",
+        prog="python -m netsim.netem",
         description="Run CMD behind an emulated link (rate, delay, loss) to a server namespace.",
     )
     link = parser.add_argument_group("the link (each direction, unless --down-* says otherwise)")

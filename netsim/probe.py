@@ -1,11 +1,11 @@
 """Measure a network path, as ping and iperf would: round-trip time, TCP goodput, UDP loss.
 
-Tools for checking an emulated link (`transport.netem`), from either end of it:
+Tools for checking an emulated link (`netsim.netem`), from either end of it:
 
-    python -m transport.probe serve                      # on the server side: answers all three
-    python -m transport.probe rtt --to 10.77.255.1       # UDP echo, median of --count
-    python -m transport.probe goodput --to ... --bytes 2000000
-    python -m transport.probe loss --to ... --count 20000 --rate 5000   # datagrams a second
+    python -m netsim.probe serve                      # on the server side: answers all three
+    python -m netsim.probe rtt --to 10.77.255.1       # UDP echo, median of --count
+    python -m netsim.probe goodput --to ... --bytes 2000000
+    python -m netsim.probe loss --to ... --count 20000 --rate 5000   # datagrams a second
 
 Each client command prints one JSON object. Loss is counted by the receiver: the client sends
 numbered datagrams, paced, then asks the server over TCP how many of them it saw.
@@ -151,7 +151,7 @@ def loss(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m transport.probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m netsim.probe", description=__doc__)
     parser.add_argument("what", choices=["serve", "rtt", "goodput", "loss"])
     parser.add_argument("--to", help="the server's address")
     parser.add_argument("--port", type=int, default=PORT)
