@@ -31,6 +31,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) -m benchmarks.api_overhead

@@ -103,6 +103,8 @@ def http_worker(port: int, model: str) -> Callable[[], Stream]:
                     usage = chunk
             await reader.readuntil(b"\r\n")  # the CRLF after the last, empty chunk
             event = next(line for line in usage.split(b"\n") if b'"usage"' in line)
+            if ttft is None:
+                raise RuntimeError("the stream ended without a token")
             return ttft, json.loads(event.removeprefix(b"data: "))["usage"]["completion_tokens"]
 
         return stream
@@ -117,6 +119,8 @@ def in_process_stream(generate: Callable[[int], AsyncIterator]) -> Stream:
             if ttft is None and delta.tokens:
                 ttft = time.perf_counter() - start
             tokens += delta.tokens
+        if ttft is None:
+            raise RuntimeError("the stream ended without a token")
         return ttft, tokens
 
     return stream

@@ -178,7 +178,9 @@ async def run(
     workload = list(requests(spec, args.seed, args.duration, args.num_requests))
     chaos_task = asyncio.create_task(inflict(args, deployment, chaos))
     try:
-        return await replay(workload, Client(args), deployment, args.timeout, args.progress)
+        return await replay(
+            workload, Client(args, deployment), deployment, args.timeout, args.progress
+        )
     finally:
         chaos_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -91,8 +91,9 @@ def vllm_bench(url: str, tokenizer: str, rate: float, n: int, seed: int) -> dict
     }
     print(f"vllm bench serve at {rate:g} req/s x {n}: {get}", file=sys.stderr)
     # vllm bench prints the first ten errors, each on a line of its own.
-    get["errors"] = [line for line in lines if line.startswith("Error ")]
-    for line in get["errors"]:
+    errors = [line for line in lines if line.startswith("Error ")]
+    get["errors"] = errors
+    for line in errors:
         print(f"  {line[:300]}", file=sys.stderr)
     return get
 

@@ -88,7 +88,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
 from tqdm import tqdm
 
-from transport.connection import CoalescingProtocol, widen_receive_buffer
+from transport.connection import CoalescingProtocol, udp_transport, widen_receive_buffer
 from transport.masque import AllowList
 from transport.masque.proxy import MasqueProxy
 from transport.masque.tunnel import UdpTunnel
@@ -131,8 +131,9 @@ async def _serve_bulk(cert: str, key: str, ready: Any, stop: EventType) -> None:
     configuration = QuicConfiguration(is_client=False, alpn_protocols=[ALPN])
     configuration.load_cert_chain(cert, key)
     server = await serve(HOST, 0, configuration=configuration, create_protocol=_BulkServer)
-    widen_receive_buffer(server._transport.get_extra_info("socket"))  # as transport.http3 does
-    ready.put(server._transport.get_extra_info("sockname")[1])
+    transport = udp_transport(server)
+    widen_receive_buffer(transport.get_extra_info("socket"))  # as transport.http3 does
+    ready.put(transport.get_extra_info("sockname")[1])
     # stop.wait blocks, so in a thread: the loop keeps serving meanwhile.
     await asyncio.get_running_loop().run_in_executor(None, stop.wait)
     server.close()
@@ -178,7 +179,7 @@ def _service(
     try:
         _run_loop(make(*args), loop)
     finally:
-        if profiler is not None:
+        if profiler is not None and profile:
             profiler.disable()
             profiler.dump_stats(profile)
 
@@ -262,7 +263,7 @@ async def _measure(job: Job, events: Any) -> Result:
         ) as client:
             assert isinstance(client, _BulkClient)
             # As transport.client does: at the default 208 KiB a burst overflows the socket.
-            widen_receive_buffer(client._transport.get_extra_info("socket"))
+            widen_receive_buffer(udp_transport(client).get_extra_info("socket"))
             result.setup_s = time.perf_counter() - setup_start
             events.put(("start", None))  # the parent samples the other processes' CPU now
             cpu = time.process_time()
@@ -298,7 +299,7 @@ def _client(job: Job, events: Any) -> None:
         result = _run_loop(asyncio.wait_for(_measure(job, events), CLIENT_TIMEOUT_S), job.loop)
     except Exception as error:  # report, so that one failed round does not end the run
         result = Result(job.mode, job.round, job.nbytes, error=f"{type(error).__name__}: {error}")
-    if profiler is not None:
+    if profiler is not None and job.profile:
         profiler.disable()
         profiler.dump_stats(job.profile)
     events.put(("result", result))

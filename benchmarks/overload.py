@@ -41,6 +41,7 @@ from workloads.arrivals import Poisson
 from workloads.generate import TaskShape, WorkloadSpec, requests
 from workloads.metrics import Outcome, summarize
 from workloads.replay import Client, client_health, replay
+from workloads.request import Request
 
 ROOT = Path(__file__).resolve().parent.parent
 PREMIUM_KEY = "overload-bench-premium"
@@ -64,7 +65,9 @@ def parse() -> Namespace:
     return p.parse_args()
 
 
-def workload(rate: float, seconds: float, realtime: float, tokens: tuple[int, int], seed: int):
+def workload(
+    rate: float, seconds: float, realtime: float, tokens: tuple[int, int], seed: int
+) -> list[Request]:
     classes = {"free-tier": 1.0 - realtime, **({"real-time": realtime} if realtime else {})}
     spec = WorkloadSpec(Poisson(rate), classes=classes, default_shape=TaskShape(None, tokens))
     return list(requests(spec, seed, duration=seconds))
@@ -81,10 +84,16 @@ def load(live: LiveServer, batch: list, deployment: Deployment, args: Namespace)
         model="auto",
         ignore_eos=True,
         api_key=PREMIUM_KEY,
+        # What the rest of Client reads, as workloads.replay's flags default them.
+        h2_streams=100,
+        connection_per_request=False,
+        scheduler="rr",
+        congestion_control="reno",
+        deployment=deployment.name,
     )
     before, cpu_before = requests_total(live.url), metric(live.url, "process_cpu_seconds_total")
     done, duration, client_cpu = asyncio.run(
-        replay(batch, Client(client_args), deployment, timeout=120.0, progress=False)
+        replay(batch, Client(client_args, deployment), deployment, timeout=120.0, progress=False)
     )
     settle(live.url)
     after, cpu_after = requests_total(live.url), metric(live.url, "process_cpu_seconds_total")

@@ -52,7 +52,7 @@ def main() -> int:
         for proto in args.protocols.split(","):
             for rate in (float(r) for r in args.rates.split(",")):
                 runs.append(one_run(args, proto, rate, port, h3_port, up.pid, work))
-    best = {}
+    best: dict[str, float | None] = {}
     for proto in args.protocols.split(","):
         ok = [r["rate"] for r in runs if r["proto"] == proto and r["kept_up"]]
         best[proto] = max(ok, default=None)
@@ -65,8 +65,8 @@ def main() -> int:
         print(f"{r['proto']:<6}{r['rate']:>7g}{r['achieved_rate']:>8.0f}{r['events_per_s']:>10.0f}"
               f"{r['p99_lag_ms']:>12.1f}{r['client_cpu']:>12.0%}{r['server_cpu']:>12.0%}"
               f"{r['errored']:>8}")  # fmt: skip
-    for proto, rate in best.items():
-        print(f"headroom over {proto}: {rate:g} req/s" if rate else f"{proto}: none kept up")
+    for proto, highest in best.items():
+        print(f"headroom over {proto}: {highest:g} req/s" if highest else f"{proto}: none kept up")
     Path(args.out).write_text(
         json.dumps({"machine": machine, "args": vars(args), "runs": runs, "best": best}, indent=1)
     )

@@ -48,7 +48,7 @@ def write_dataset(path: Path, args: argparse.Namespace, rate: float, n: int, see
     spec = WorkloadSpec(Poisson(rate), default_shape=TaskShape(None, (args.output_tokens,) * 2))
     with path.open("w") as f:
         for request in requests(spec, seed, limit=n):
-            assert not isinstance(request.prompt, str)
+            assert isinstance(request.prompt, tuple)  # workloads.generate makes chats
             row = {"prompt": request.prompt[-1].content, "output_tokens": request.max_tokens}
             f.write(json.dumps(row) + "\n")
 

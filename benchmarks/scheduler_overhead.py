@@ -101,21 +101,21 @@ def run_once(policy: str, priorities: list[int], packets_per_stream: int, overhe
             add += pc() - t0
         while True:
             t0 = pc()
-            stream_id = scheduler.pop(now)
+            popped = scheduler.pop(now)
             pop += pc() - t0
             n_pop += 1
-            if stream_id is None:
+            if popped is None:
                 break
             now += tick
-            left[stream_id] -= 1
-            if left[stream_id]:
+            left[popped] -= 1
+            if left[popped]:
                 t0 = pc()
-                scheduler.requeue(stream_id, PACKET_BYTES, now)
+                scheduler.requeue(popped, PACKET_BYTES, now)
                 requeue += pc() - t0
                 n_requeue += 1
             else:
                 t0 = pc()
-                scheduler.remove(stream_id)
+                scheduler.remove(popped)
                 remove += pc() - t0
                 n_remove += 1
     finally:

@@ -138,7 +138,9 @@ def soak_server(args: Namespace) -> dict:
     with server(args.deployment, None, log, extra=["--request-log", "off"]) as live:
         client = Client(
             Namespace(proto="h1", url=live.url, connections=1, cacert=None, insecure=False,
-                      model="auto", ignore_eos=True, api_key=None)
+                      model="auto", ignore_eos=True, api_key=None, h2_streams=100,
+                      connection_per_request=False, deployment=deployment.name),
+            deployment,
         )  # fmt: skip
         counted = sum(requests_total(live.url).values())
         start = resources(live)
@@ -172,7 +174,8 @@ def resources(live: LiveServer) -> dict[str, float]:
 
 
 def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
+    found: list[int] = []
+    todo = [pid]
     while todo:
         parent = todo.pop()
         try:

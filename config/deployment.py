@@ -6,7 +6,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -57,6 +57,11 @@ class ReplicaConfig:
     """For tokenizers without a chat template."""
     build: TinyBuild | None
 
+    def engine_int(self, name: str, default: int) -> int:
+        """An integer vLLM argument (max_model_len, max_num_seqs) of `engine_args`, else
+        `default`."""
+        return _engine_int(name, self.engine_args.get(name, default))
+
 
 @dataclass(frozen=True)
 class Simulation:
@@ -103,10 +108,10 @@ class Deployment:
         """The deployment's models, each once, in placement order."""
         return list(dict.fromkeys(r.model for r in self.replicas))
 
-    def with_admission(self, rule: str) -> Deployment:
+    def with_admission(self, rule: Literal["deadline", "none"]) -> Deployment:
         """This deployment with admission control's rule replaced ('deadline' or 'none')."""
-        return replace(self, admission=_admission(self.name, AdmissionSpec(
-            rule=rule, lower_class_share=self.admission.lower_class_share), self.profile))  # type: ignore[arg-type]  # fmt: skip
+        admission = AdmissionSpec(rule=rule, lower_class_share=self.admission.lower_class_share)
+        return replace(self, admission=_admission(self.name, admission, self.profile))
 
     def with_time_scale(self, factor: float) -> Deployment:
         """This simulated deployment with every time of its profile multiplied by `factor`, on
@@ -135,7 +140,7 @@ class Deployment:
         """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
         caps = {r.engine_args.get("max_num_seqs") for r in self.replicas}
         cap = caps.pop() if len(caps) == 1 else None
-        return int(cap) if cap is not None else None  # type: ignore[call-overload]
+        return _engine_int("max_num_seqs", cap) if cap is not None else None
 
     @property
     def tasks(self) -> list[str]:
@@ -295,6 +300,13 @@ def load_deployment(
     return deployment.with_paths(paths, spec.path_mixes[paths])
 
 
+def _engine_int(name: str, value: object) -> int:
+    """`value` of engine argument `name` as an integer, taken as `int()` takes it."""
+    if not isinstance(value, int | float | str):  # YAML's other values, which int() refuses
+        raise TypeError(f"engine argument {name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _replicas(
     spec: ModelsFile, placement: str, engine_args: dict[str, object], base_dir: Path
 ) -> list[ReplicaConfig]:
@@ -302,6 +314,7 @@ def _replicas(
     for entry in spec.placements[placement]:
         model = spec.models[entry.model]
         source = _source(model.source, model.build, base_dir)
+        locations: list[tuple[str | None, str | None]]
         locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
         for device, url in locations:
             where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]

@@ -325,8 +325,8 @@ class ModelsFile(Strict):
             if name is not None and name not in known:
                 errors.append(f"{where}: unknown {kind} {name!r} (known: {', '.join(known)})")
 
-        for name, model in self.models.items():
-            need("model", model.stands_in_for, self.models, f"models.{name}.stands_in_for")
+        for name, spec in self.models.items():
+            need("model", spec.stands_in_for, self.models, f"models.{name}.stands_in_for")
         for task, row in self.quality.tasks.items():
             for model in row:
                 need("model", model, self.models, f"quality.tasks.{task}")

@@ -265,14 +265,16 @@ class CoSimulation:
         delivery = self.deliveries[request.request_id]
         delivery.arrived = now
         server = channel.server
-        scheduled = isinstance(server, ScheduledQuicConnection) and not channel.shared
-        if scheduled:
+        scheduled = (
+            server if isinstance(server, ScheduledQuicConnection) and not channel.shared else None
+        )
+        if scheduled is not None:
             spec = stream_spec(self.deployment.qos_classes[request.qos_class], now)
-            server.set_stream_spec(channel.stream_id, spec)
+            scheduled.set_stream_spec(channel.stream_id, spec)
         path = server.path_estimate() if isinstance(server, ScheduledQuicConnection) else None
         ended, model, due = self.gateway.arrive(replace(request, path=path), now)
-        if scheduled and due is not None:  # one budget for both halves, as the live server
-            StreamDeadline(spec, partial(server.set_stream_spec, channel.stream_id))(due)
+        if scheduled is not None and due is not None:  # one budget for both halves, as live
+            StreamDeadline(spec, partial(scheduled.set_stream_spec, channel.stream_id))(due)
         self._ended(ended)
         if model is None:
             self._error(request.request_id, 429)
@@ -286,7 +288,9 @@ class CoSimulation:
             first, last = delivery.tokens == 0, job.remaining == 0
             delivery.tokens += 1
             size = TOKEN_BYTES + (HEAD_BYTES if first else 0) + (END_BYTES if last else 0)
-            marks = [lambda at, d=delivery: setattr(d, "first_token", at)] if first else []
+            marks: list[Callable[[float], None]] = (
+                [partial(setattr, delivery, "first_token")] if first else []
+            )
             if last:
                 marks.append(self._done(rid, 200))
             self._write(rid, size, last, *marks)
@@ -304,7 +308,12 @@ class CoSimulation:
     def _write(self, rid: str, size: int, last: bool, *marks: Callable[[float], None]) -> None:
         """Write `size` bytes of `rid`'s response; the client runs `marks` once they are in."""
         channel = self._channels[rid]
-        channel.down.write(size, (lambda at: [mark(at) for mark in marks]) if marks else None)
+
+        def marked(at: float) -> None:
+            for mark in marks:
+                mark(at)
+
+        channel.down.write(size, marked if marks else None)
         end = last and not channel.shared
         channel.server.send_stream_data(channel.stream_id, bytes(size), end)
         self.path.touch(channel.server)

@@ -128,7 +128,7 @@ def run_rtt(rtt: float, args: argparse.Namespace, folder: Path) -> list[dict[str
             raise RuntimeError(f"{name}: the server exited during the run; see {log}")
     if code != 0 or not out.exists():
         raise RuntimeError(f"{name}: the client exited with {code}; see {name}.client.log")
-    written = defaultdict(dict)
+    written: defaultdict[int, dict[int, float]] = defaultdict(dict)
     for line in trace.read_text().splitlines():
         stream_id, position, at = line.split()
         written[int(stream_id)][int(position)] = float(at)
@@ -222,9 +222,9 @@ def report(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   f"{line['stall_ratio']:>7.1%} {line['stall_s']:>8.2f} {line['late_share']:>7.1%} "
                   f"{line['tokens_per_datagram']:>10.1f} {line['from_datagrams']:>10.0%} "
                   f"{str(line['exact']):>6} {line['errors']:>7}")  # fmt: skip
-        stream, eloquent = summary[-2], summary[-1]
-        if stream["stall_ratio"] > 0:
-            change = eloquent["stall_ratio"] / stream["stall_ratio"] - 1
+        stream_line, eloquent_line = summary[-2], summary[-1]
+        if stream_line["stall_ratio"] > 0:
+            change = eloquent_line["stall_ratio"] / stream_line["stall_ratio"] - 1
             print(f"      RTT {rtt} ms: Eloquent's stall ratio {change:+.0%} against the stream's")
     return summary
 

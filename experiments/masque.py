@@ -54,6 +54,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from tqdm import tqdm
@@ -278,6 +279,45 @@ Runs = dict[tuple[str, str, int], list[Record]]
 """(experiment, outer scheduler, seed) -> its records."""
 
 
+class TunnelRow(TypedDict):
+    """Experiment 1, one outer scheduler over its seeds: a row of tunnels.csv."""
+
+    scheduler: str
+    seeds: int
+    completion: float
+    completion_ci95: float
+    all_done_s: float
+    all_done_ci95: float
+    runs_with_failures: int
+    latency_p50_s: float
+    latency_max_s: float
+    failed: int
+    slow_handshakes: float
+    completion_quic_go_timeout: float
+    inner_packets_per_tunnel: float
+
+
+class NestedGroup(TypedDict):
+    """Experiment 2, one outer scheduler and priority: a row of nested_groups.csv."""
+
+    scheduler: str
+    priority: int
+    mean_rtt_ms: int
+    ci95_ms: int | str
+    """Empty where one seed gives no interval."""
+
+
+class NestedCorrelation(TypedDict):
+    """Experiment 2, one outer scheduler over its seeds: a row of nested.csv."""
+
+    scheduler: str
+    seeds: int
+    spearman: float
+    spearman_ci95: float | str
+    worst_seed: float
+    failed: int
+
+
 def read_records(path: Path) -> Runs:
     import csv
 
@@ -303,8 +343,8 @@ def _seeds(runs: Runs, experiment: str, scheduler: str) -> list[list[Record]]:
     return [rs for (e, s, _), rs in sorted(runs.items()) if (e, s) == (experiment, scheduler)]
 
 
-def summarise_tunnels(runs: Runs) -> list[dict[str, object]]:
-    rows = []
+def summarise_tunnels(runs: Runs) -> list[TunnelRow]:
+    rows: list[TunnelRow] = []
     for scheduler in SETUPS["tunnels"].schedulers:
         seeds = _seeds(runs, "tunnels", scheduler)
         if not seeds:
@@ -354,12 +394,13 @@ def _done_quic_go(record: Record) -> bool:
     return _done(record) and not _slow_handshake(record)
 
 
-def summarise_nested(runs: Runs) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+def summarise_nested(runs: Runs) -> tuple[list[NestedGroup], list[NestedCorrelation]]:
     """Per (scheduler, priority): the mean RTT over seeds; per scheduler: Spearman's rho between
     priority and a group's mean RTT, one per seed (negative: the more urgent, the faster)."""
     from scipy import stats
 
-    groups, correlations = [], []
+    groups: list[NestedGroup] = []
+    correlations: list[NestedCorrelation] = []
     for scheduler in SETUPS["nested"].schedulers:
         seeds = _seeds(runs, "nested", scheduler)
         if not seeds:
@@ -374,8 +415,8 @@ def summarise_nested(runs: Runs) -> tuple[list[dict[str, object]], list[dict[str
             for p, mean in means.items():
                 per_seed.setdefault(p, []).append(mean)
             rhos.append(float(stats.spearmanr(list(means), list(means.values())).statistic))
-        for p, means in sorted(per_seed.items()):
-            mean, ci = mean_ci(means)
+        for p, seed_means in sorted(per_seed.items()):
+            mean, ci = mean_ci(seed_means)
             groups.append({"scheduler": scheduler, "priority": p, "mean_rtt_ms": round(1e3 * mean),
                            "ci95_ms": round(1e3 * ci) if math.isfinite(ci) else ""})  # fmt: skip
         rho, rho_ci = mean_ci(rhos)
@@ -399,8 +440,8 @@ def plot(runs: Runs, out: Path) -> list[Path]:
     if tunnel_rows:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         names = [str(r["scheduler"]) for r in tunnel_rows]
-        left.bar(names, [100 * float(r["completion"]) for r in tunnel_rows],  # type: ignore[arg-type]
-                 yerr=[100 * float(r["completion_ci95"] or 0) for r in tunnel_rows],  # type: ignore[arg-type]
+        left.bar(names, [100 * float(r["completion"]) for r in tunnel_rows],
+                 yerr=[100 * float(r["completion_ci95"] or 0) for r in tunnel_rows],
                  capsize=4, label="ours")  # fmt: skip
         left.scatter(["fcfs", "rr"], [17, 68], color="black", marker="x", zorder=3, label="seed")
         left.set_ylabel(f"tunnels done within {DEADLINE_S:g} s (%)")
@@ -458,11 +499,11 @@ def report(runs: Runs, out: Path) -> list[str]:
         print(f"{'outer':6} {'completion by 8 s':>22} {'all done (s)':>16} {'p50 s':>7} "
               f"{'failed':>6} {'inner packets a tunnel':>22}")  # fmt: skip
         for r in tunnel_rows:
-            print(f"{r['scheduler']!s:6} {100 * float(r['completion']):>14.1f}% ± "  # type: ignore[arg-type]
-                  f"{100 * float(r['completion_ci95'] or 0):>4.1f} {r['all_done_s']!s:>9} ± "  # type: ignore[arg-type]
+            print(f"{r['scheduler']!s:6} {100 * float(r['completion']):>14.1f}% ± "
+                  f"{100 * float(r['completion_ci95'] or 0):>4.1f} {r['all_done_s']!s:>9} ± "
                   f"{r['all_done_ci95']!s:>4} {r['latency_p50_s']!s:>7} "
                   f"{r['failed']!s:>6} {r['inner_packets_per_tunnel']!s:>22}")  # fmt: skip
-        by = {r["scheduler"]: float(r["completion"]) for r in tunnel_rows}  # type: ignore[arg-type]
+        by = {r["scheduler"]: float(r["completion"]) for r in tunnel_rows}
         if {"fcfs", "rr"} <= set(by):
             ratio = by["rr"] / by["fcfs"] if by["fcfs"] else math.inf
             lines.append(f"{'MET' if ratio >= 2 else 'MISSED'} rr completes at least 2x fcfs by "
@@ -473,10 +514,10 @@ def report(runs: Runs, out: Path) -> list[str]:
                 "     inner handshakes over quic-go's 5 s timeout: "
                 + ", ".join(
                     f"{s} {100 * float(r['slow_handshakes']):.0f}%" for s, r in slow.items()
-                )  # type: ignore[arg-type]
+                )
                 + "; completion by 8 s had those failed, as in quic-go: "
                 + ", ".join(
-                    f"{s} {100 * float(r['completion_quic_go_timeout']):.1f}%"  # type: ignore[arg-type]
+                    f"{s} {100 * float(r['completion_quic_go_timeout']):.1f}%"
                     for s, r in slow.items()
                 )
             )
@@ -488,7 +529,7 @@ def report(runs: Runs, out: Path) -> list[str]:
         schedulers = list(dict.fromkeys(str(g["scheduler"]) for g in groups))
         print("mean RTT (ms) by outer priority:")
         print(f"{'priority':>8} " + " ".join(f"{s:>12}" for s in schedulers))
-        for p in sorted({int(g["priority"]) for g in groups}):  # type: ignore[call-overload]
+        for p in sorted({int(g["priority"]) for g in groups}):
             cells = {g["scheduler"]: g for g in groups if g["priority"] == p}
             print(f"{p:>8} " + " ".join(
                 f"{cells[s]['mean_rtt_ms']!s:>7} ±{cells[s]['ci95_ms']!s:>4}" if s in cells
@@ -499,7 +540,7 @@ def report(runs: Runs, out: Path) -> list[str]:
                   f"{c['failed']} failed")  # fmt: skip
         abs_row = next((c for c in correlations if c["scheduler"] == "abs"), None)
         if abs_row is not None:
-            rho = float(abs_row["spearman"])  # type: ignore[arg-type]
+            rho = float(abs_row["spearman"])
             lines.append(f"{'MET' if rho <= -0.9 else 'MISSED'} under outer abs the groups are "
                          f"ordered by priority: Spearman {rho} (target: -0.9 or below, the more "
                          f"urgent the faster; worst seed {abs_row['worst_seed']})")  # fmt: skip

@@ -18,3 +18,17 @@ def write_csv(path: Path, rows: Sequence[Mapping[str, object]], skip: Collection
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def as_float(value: object) -> float:
+    """A number of a row: as an experiment made it, or its text, as a CSV gives it back."""
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise TypeError(f"not a number: {value!r}")
+
+
+def as_int(value: object) -> int:
+    """An integer of a row, taken as `as_float` takes a number."""
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise TypeError(f"not an integer: {value!r}")

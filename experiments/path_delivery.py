@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,11 +137,14 @@ def packet_level(
             while len(arrivals) < len(marks) and marks[len(arrivals)] <= seen["down"]:
                 arrivals.append(now)
 
-    def write(k: int):  # type: ignore[no-untyped-def]
+    def write(k: int) -> Callable[[float], None]:
         def send(now: float) -> None:
             server.send_stream_data(stream, bytes(sizes[k]), k == response.tokens - 1)
 
         return send
+
+    def ping(end: ScheduledQuicConnection) -> Callable[[float], None]:
+        return lambda now: end.send_ping(0)
 
     link = SimulatedPath(client, server, link_of(path, seed), on_event)
     link.run(until=lambda: client._handshake_complete)
@@ -149,7 +153,7 @@ def packet_level(
     ready = link.now + IDLE_S + PINGS * PING_EVERY_S
     for k in range(PINGS):
         for end in (client, server):
-            link.call_at(link.now + k * PING_EVERY_S, lambda now, e=end: e.send_ping(0))
+            link.call_at(link.now + k * PING_EVERY_S, ping(end))
     link.call_at(ready, lambda now: None)
     link.run(until=lambda: link.now >= ready)
     stream = client.get_next_available_stream_id()

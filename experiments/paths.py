@@ -30,13 +30,14 @@ import statistics
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load, load_deployment
-from experiments.output import write_csv
+from experiments.output import as_float, as_int, write_csv
 from experiments.transport_micro import mean_ci
 from router.evaluate import mean_reward, simulate
 from router.features import FeatureEncoder
@@ -101,12 +102,16 @@ def policies(deployment: Deployment, aware_file: Path | None) -> dict[str, Calla
     for name, path in (("dqn-blind", Path(blind_file)), ("dqn-net", aware)):
         trained = DqnPolicy.load(path)
         trained.check_fits(deployment)
-        made[name] = lambda p=trained: p  # type: ignore[misc]
+        made[name] = _constant(trained)
     rule = PathRule(DqnPolicy.load(blind_file), deployment)
     made["path-rule"] = lambda: rule
     for model in deployment.models:
-        made[f"{model}-only"] = lambda m=model: Static(m)  # type: ignore[misc]
+        made[f"{model}-only"] = partial(Static, model)
     return made
+
+
+def _constant(policy: Policy) -> Callable[[], Policy]:
+    return lambda: policy
 
 
 def path_names(deployment: Deployment) -> dict[object, str]:
@@ -159,7 +164,7 @@ def summarize(rows: Sequence[dict[str, object]]) -> tuple[list[dict[str, object]
     scores: dict[tuple[str, str, str], dict[int, list[float]]] = {}
     for r in rows:
         key = (str(r["mix"]), str(r["workload"]), str(r["policy"]))
-        scores.setdefault(key, {}).setdefault(int(r["seed"]), []).append(float(r["reward"]))  # type: ignore[call-overload]
+        scores.setdefault(key, {}).setdefault(as_int(r["seed"]), []).append(as_float(r["reward"]))
     summary, verdicts = [], []
     for mix in MIXES:
         for kind in ("stable", "unpredictable"):
@@ -196,9 +201,9 @@ def print_summary(summary: Sequence[dict[str, object]], verdicts: Sequence[str])
     print(f"\n{'mix':6} {'workload':13} " + " ".join(f"{p:>10}" for p in policies_seen)
           + f" {'gain':>8} {'±95%':>7}")  # fmt: skip
     for s in summary:
-        cells = " ".join(f"{float(s[p]):>10.4f}" for p in policies_seen)  # type: ignore[arg-type]
-        print(f"{s['mix']:6} {s['workload']:13} {cells} {float(s['gain']):>+8.4f} "  # type: ignore[arg-type]
-              f"{float(s['gain_ci95']):>7.4f}")  # type: ignore[arg-type]  # fmt: skip
+        cells = " ".join(f"{as_float(s[p]):>10.4f}" for p in policies_seen)
+        print(f"{s['mix']:6} {s['workload']:13} {cells} {as_float(s['gain']):>+8.4f} "
+              f"{as_float(s['gain_ci95']):>7.4f}")  # fmt: skip
     print()
     for line in verdicts:
         print(line)
@@ -211,7 +216,9 @@ def per_path(rows: Sequence[dict[str, object]], paths: Sequence[str]) -> None:
     for policy in ("dqn-blind", "dqn-net"):
         mine = [r for r in rows if r["mix"] == "mixed" and r["policy"] == policy]
         values = [
-            statistics.fmean(float(r[f"reward:{p}"]) for r in mine if r[f"reward:{p}"] is not None)  # type: ignore[arg-type]
+            statistics.fmean(
+                as_float(r[f"reward:{p}"]) for r in mine if r[f"reward:{p}"] is not None
+            )
             for p in paths
         ]
         print(f"{policy:10} " + " ".join(f"{v:>7.3f}" for v in values))
@@ -237,7 +244,7 @@ def plot(rows: Sequence[dict[str, object]], paths: Sequence[str], models: Sequen
                         and r["workload"] == "stable" and r["phase"] == f"{rate:g}"]  # fmt: skip
                 bottom = 0.0
                 for model, colour in zip(models, colours, strict=True):
-                    share = statistics.fmean(float(r[f"share:{path}:{model}"]) for r in mine)  # type: ignore[arg-type]
+                    share = statistics.fmean(as_float(r[f"share:{path}:{model}"]) for r in mine)
                     label = model if (path, rate) == (paths[0], rates[0]) else None
                     ax.bar(x, share, bottom=bottom, color=colour, width=0.8, label=label)
                     bottom += share

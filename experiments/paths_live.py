@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from config import Deployment, load_deployment
 from experiments.live import cpu_seconds
-from experiments.output import write_csv
+from experiments.output import as_float, write_csv
 from experiments.path_delivery import link_of
 from experiments.paths import policies as sim_policies
 from experiments.transport_macro import met_at_client, score
@@ -237,8 +237,7 @@ def report(rows: Sequence[dict[str, object]]) -> list[str]:
             if not mine:
                 continue
             means[policy] = tuple(
-                statistics.fmean(float(r[k]) for r in mine)  # type: ignore[arg-type]
-                for k in ("live", "simulated")
+                statistics.fmean(as_float(r[k]) for r in mine) for k in ("live", "simulated")
             )
             print(f"{kind:14} {policy:10} {means[policy][0]:>8.4f} {means[policy][1]:>10.4f}")
         if len(means) == 2:

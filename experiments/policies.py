@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Collection
+from functools import partial
 from pathlib import Path
 
 from config import Deployment
@@ -69,7 +70,7 @@ def baselines(
         thresholds = tuned_thresholds(deployment, results)
         policies["threshold"] = lambda: QualityThreshold(deployment.quality, 32, thresholds)
     for model in deployment.models:
-        policies[f"{model}-only"] = lambda m=model: Static(m)  # type: ignore[misc]
+        policies[f"{model}-only"] = partial(Static, model)
     policies |= {
         "round-robin": RoundRobin,
         "least-load": LeastLoad,

@@ -45,6 +45,7 @@ def compare(live: dict, deployment_name: str, config: Path) -> list[dict[str, fl
     rows = []
     for i, o in enumerate(done):
         f = by_index[i]
+        assert f.first_token is not None  # no deadlines, and every request owes a token
         rows.append({
             "request": o["request_id"], "replica": o["replica"], "arrival_s": o["arrival_s"],
             "prompt_tokens": o["prompt_tokens"], "output_tokens": o["output_tokens"],

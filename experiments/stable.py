@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
-from experiments.output import write_csv
+from experiments.output import as_float, as_int, write_csv
 from experiments.policies import add_admission_argument, baselines
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import Poisson
@@ -108,7 +108,7 @@ def mean_by(
     """`key` over the seeds, per (policy, rate): the mean, or `reduce` (np.std for the spread)."""
     groups: dict[tuple[str, float], list[float]] = {}
     for r in rows:
-        groups.setdefault((str(r["policy"]), float(r["rate"])), []).append(float(r[key]))  # type: ignore[arg-type]
+        groups.setdefault((str(r["policy"]), as_float(r["rate"])), []).append(as_float(r[key]))
     return {k: float(reduce(v)) for k, v in groups.items()}
 
 
@@ -119,9 +119,9 @@ def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]
         return ["no trained DQN policy: targets not checked"]
     statics = [f"{m}-only" for m in models]
     big = statics[-1]  # placement order lists the models smallest first
-    by = {(str(r["policy"]), float(r["rate"]), int(r["seed"])): float(r["mean_reward"])  # type: ignore[arg-type]
+    by = {(str(r["policy"]), as_float(r["rate"]), as_int(r["seed"])): as_float(r["mean_reward"])
           for r in rows}  # fmt: skip
-    seeds = sorted({int(r["seed"]) for r in rows})  # type: ignore[call-overload]
+    seeds = sorted({as_int(r["seed"]) for r in rows})
     lines, short = [], []
     for rate in rates:  # paired by seed: every policy saw the same arrivals
         d = [by["dqn", rate, s] - max(by[p, rate, s] for p in statics) for s in seeds]
@@ -159,7 +159,7 @@ def plot(rows: list[dict[str, object]], models: list[str], tasks: list[str], pat
     reward = mean_by(rows, "mean_reward")
     spread = mean_by(rows, "mean_reward", np.std)
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
-    rates = sorted({float(r["rate"]) for r in rows})  # type: ignore[arg-type]
+    rates = sorted({as_float(r["rate"]) for r in rows})
     fig, axes = plt.subplots(2, 2, figsize=(13, 8), gridspec_kw={"height_ratios": [2, 1]})
     ax = axes[0][0]
     for p in policies:
@@ -218,12 +218,12 @@ def agreement(sim: list[dict[str, object]], real: list[dict[str, object]]) -> li
     reward_sim, reward_live = mean_by(sim, "mean_reward"), mean_by(real, "mean_reward")
     ttft_sim, ttft_live = mean_by(sim, "median_ttft_ms"), mean_by(real, "median_ttft_ms")
     policies = list(dict.fromkeys(str(r["policy"]) for r in real))
-    rates = sorted({float(r["rate"]) for r in real})  # type: ignore[arg-type]
+    rates = sorted({as_float(r["rate"]) for r in real})
     overhead = float(np.median([ttft_live[p, rates[0]] - ttft_sim[p, rates[0]] for p in policies]))
     lines = [f"fixed per-request TTFT overhead (at {rates[0]:g} req/s): {overhead:.1f} ms",
              f"{'policy':>16} {'rate':>6} {'reward sim':>10} {'live':>7} {'diff':>7}  "
              f"{'TTFT sim':>9} {'live':>8} {'diff':>8} {'allowed':>8}"]  # fmt: skip
-    behind = {(str(r["policy"]), float(r["rate"])) for r in real if not r["client_kept_up"]}  # type: ignore[arg-type]
+    behind = {(str(r["policy"]), as_float(r["rate"])) for r in real if not r["client_kept_up"]}
     for p in policies:
         for rate in rates:
             d = reward_live[p, rate] - reward_sim[p, rate]
@@ -250,7 +250,7 @@ def plot_live(sim: list[dict[str, object]], real: list[dict[str, object]], path:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     policies = list(dict.fromkeys(str(r["policy"]) for r in real))
-    rates = sorted({float(r["rate"]) for r in real})  # type: ignore[arg-type]
+    rates = sorted({as_float(r["rate"]) for r in real})
     for ax, rows, title in ((axes[0], sim, "simulated"), (axes[1], real, "live")):
         reward = mean_by(rows, "mean_reward")
         for p in policies:

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from config import Deployment, load_deployment
 from experiments.cosim import CoSimulation, Delivery
-from experiments.output import write_csv
+from experiments.output import as_float, as_int, write_csv
 from experiments.policies import baselines
 from experiments.transport_micro import LINK_3G, STACKS, mean_ci
 from netsim.link import LinkConfig
@@ -93,7 +93,7 @@ def classify(request: Request, rng: np.random.Generator, padding: np.random.Gene
     if request.task == REAL_TIME_TASK:
         return dataclasses.replace(request, qos_class="real-time")
     if rng.random() < LARGE_SHARE:
-        assert not isinstance(request.prompt, str)
+        assert isinstance(request.prompt, tuple)  # workloads.generate makes chats
         *before, last = request.prompt
         long = with_background(last.content, LARGE_PROMPT_TOKENS, padding)
         return dataclasses.replace(
@@ -239,8 +239,8 @@ def cell_scores(rows: list[dict[str, object]]) -> dict[tuple[str, str, str], lis
     """(workload, stack, policy) -> its score per seed (stable: the mean over rates)."""
     per_seed: dict[tuple[str, str, str, int], list[float]] = {}
     for r in rows:
-        key = (str(r["workload"]), str(r["stack"]), str(r["policy"]), int(r["seed"]))  # type: ignore[call-overload]
-        per_seed.setdefault(key, []).append(float(r["score"]))  # type: ignore[arg-type]
+        key = (str(r["workload"]), str(r["stack"]), str(r["policy"]), as_int(r["seed"]))
+        per_seed.setdefault(key, []).append(as_float(r["score"]))
     out: dict[tuple[str, str, str], list[float]] = {}
     for (kind, stack, policy, _), scores in sorted(per_seed.items()):
         out.setdefault((kind, stack, policy), []).append(statistics.fmean(scores))
@@ -286,8 +286,9 @@ NET_MARGIN = 0.05
 def check_targets(summary: list[dict[str, object]]) -> list[str]:
     lines = []
     get = {
-        (str(r["workload"]), str(r["stack"]), str(r["policy"])): float(r["score"]) for r in summary
-    }  # type: ignore[arg-type]
+        (str(r["workload"]), str(r["stack"]), str(r["policy"])): as_float(r["score"])
+        for r in summary
+    }
     for kind in WORKLOADS:
         dqn = {s: v for (k, s, p), v in get.items() if k == kind and p == "dqn"}
         static = {(s, p): v for (k, s, p), v in get.items() if k == kind and p.endswith("-only")}
@@ -351,9 +352,10 @@ def plot(summary: list[dict[str, object]], policies: list[str], out: Path) -> No
                 for i, s in enumerate(stacks)
                 if s in cells
             ]
-            ax.bar(xs, [float(cells[s]["score"]) for s in stacks if s in cells], width,  # type: ignore[arg-type]
-                   yerr=[float(cells[s]["ci95"]) if not math.isnan(float(cells[s]["ci95"])) else 0  # type: ignore[arg-type]
-                         for s in stacks if s in cells], capsize=2, label=policy)  # fmt: skip
+            ax.bar(xs, [as_float(cells[s]["score"]) for s in stacks if s in cells], width,
+                   yerr=[as_float(cells[s]["ci95"]) if not math.isnan(as_float(cells[s]["ci95"]))
+                         else 0 for s in stacks if s in cells],
+                   capsize=2, label=policy)  # fmt: skip
         ax.set_xticks(range(len(stacks)), stacks)
         ax.set_title(f"{kind} (Table {3 if kind == 'stable' else 4})")
         ax.set_ylabel("mean score at the client")
@@ -441,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     if args.report:
         rows = rows_to_report(parser, out)
-        stable = {float(r["phase"]) for r in rows if r["workload"] == "stable"}  # type: ignore[arg-type]
+        stable = {as_float(r["phase"]) for r in rows if r["workload"] == "stable"}
         rates = tuple(sorted(stable)) or rates
     else:
         available = baselines(deployment, Path("results"), only=policies)  # tunes once, cached

@@ -39,14 +39,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from tqdm import tqdm
 
 from config import Deployment, load_deployment
 from experiments.cosim import Delivery
 from experiments.live import cpu_seconds, live_policy
-from experiments.output import write_csv
+from experiments.output import as_float, as_int, write_csv
 from experiments.policies import baselines
 from experiments.transport_macro import (
     DEPLOYMENT,
@@ -211,14 +211,26 @@ def live_phase_row(
 # The comparison.
 
 
-def compare(rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+class Comparison(TypedDict):
+    """A run's or a cell's scores: a row of comparison.csv."""
+
+    policy: str
+    stack: str
+    rate: str
+    """'all' for a cell, the mean over its rates."""
+    virtual: float
+    live: float
+    difference: float
+
+
+def compare(rows: Sequence[dict[str, object]]) -> list[Comparison]:
     """Virtual and live scores side by side, and their difference: per run (policy, stack,
     rate; the mean over seeds), then per cell (policy, stack; the mean over its rates, as
     `transport_macro` scores a cell)."""
     scores: dict[tuple[str, str, str, str], list[float]] = {}  # (policy, stack, rate, mode)
     for r in rows:
         key = (str(r["policy"]), str(r["stack"]), str(r["phase"]), str(r["mode"]))
-        scores.setdefault(key, []).append(float(r["score"]))  # type: ignore[arg-type]
+        scores.setdefault(key, []).append(as_float(r["score"]))
     runs = sorted({k[:3] for k in scores}, key=lambda k: (k[0], STACKS.index(k[1]), float(k[2])))
     run_means = {
         (*run, mode): statistics.fmean(scores[(*run, mode)]) if (*run, mode) in scores else math.nan
@@ -236,12 +248,12 @@ def compare(rows: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     return out
 
 
-def _entry(policy: str, stack: str, rate: str, virtual: float, live: float) -> dict[str, object]:
+def _entry(policy: str, stack: str, rate: str, virtual: float, live: float) -> Comparison:
     return {"policy": policy, "stack": stack, "rate": rate, "virtual": round(virtual, 4),
             "live": round(live, 4), "difference": round(live - virtual, 4)}  # fmt: skip
 
 
-def print_comparison(comparison: Sequence[dict[str, object]]) -> list[str]:
+def print_comparison(comparison: Sequence[Comparison]) -> list[str]:
     print(f"\n{'policy':14} {'stack':7} {'rate':>5} {'virtual':>8} {'live':>8} {'live-virt':>10}")
     for c in comparison:
         print(f"{c['policy']:14} {c['stack']:7} {c['rate']:>5} {c['virtual']:>8.3f} "
@@ -249,7 +261,7 @@ def print_comparison(comparison: Sequence[dict[str, object]]) -> list[str]:
     lines = []
     for scope, label in (("all", "cells (mean over their rates)"), (None, "runs (one rate)")):
         mine = [c for c in comparison if (c["rate"] == "all") == (scope == "all")]
-        gaps = [abs(float(c["difference"])) for c in mine if not math.isnan(float(c["difference"]))]  # type: ignore[arg-type]
+        gaps = [abs(float(c["difference"])) for c in mine if not math.isnan(float(c["difference"]))]
         if not gaps:
             continue
         within = sum(g <= TARGET for g in gaps)
@@ -259,7 +271,7 @@ def print_comparison(comparison: Sequence[dict[str, object]]) -> list[str]:
     return lines
 
 
-def plot(comparison: Sequence[dict[str, object]], out: Path) -> None:
+def plot(comparison: Sequence[Comparison], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,12 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     live = [r for r in rows if r["mode"] == "live"]
     behind = [r for r in live if str(r["client_kept_up"]) != "True"]
     tcp = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    cores = max((float(r["server_cores"]) for r in live), default=0.0)  # type: ignore[arg-type]
+    cores = max((as_float(r["server_cores"]) for r in live), default=0.0)
     print(f"\ncongestion control: QUIC {CONGESTION_CONTROL}, TCP {tcp} (the kernel's); "
           f"the live server's CPU: up to {cores:.2f} cores")  # fmt: skip
-    failed = [r for r in live if int(r["errors"]) + int(r["unfinished"])]  # type: ignore[call-overload]
+    failed = [r for r in live if as_int(r["errors"]) + as_int(r["unfinished"])]
     if failed:
-        count = sum(int(r["errors"]) + int(r["unfinished"]) for r in failed)  # type: ignore[call-overload]
+        count = sum(as_int(r["errors"]) + as_int(r["unfinished"]) for r in failed)
         print(f"note: {count} live request(s) ended in an error or unfinished, in {len(failed)} "
               f"run(s) (a miss the co-simulation counts too; the records in {out / 'live'} say "
               "why)")  # fmt: skip

@@ -51,7 +51,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import load_deployment
-from experiments.output import write_csv
+from experiments.output import as_float, write_csv
 from netsim.link import LinkConfig
 from netsim.netem import Netem, NetemError, check_can_run
 from transport.schedulers import SCHEDULERS
@@ -348,9 +348,9 @@ def plot(runs: Runs, rows: list[dict[str, object]], out: Path) -> None:
         mine = [r for r in rows if r["class"] == qos_class]
         ax.bar(
             [stacks.index(str(r["stack"])) + (k - 1) * width for r in mine],
-            [100 * float(r["completion"]) for r in mine],  # type: ignore[arg-type]
+            [100 * as_float(r["completion"]) for r in mine],
             width,
-            yerr=[100 * float(r["completion_ci95"]) for r in mine],  # type: ignore[arg-type]
+            yerr=[100 * as_float(r["completion_ci95"]) for r in mine],
             label=qos_class,
             capsize=2,
         )
@@ -391,19 +391,19 @@ def check_targets(runs: Runs, rows: list[dict[str, object]]) -> list[str]:
         return all((s, "real-time") in get for s in stacks)
 
     if have("ml", "abs", "pifo"):
-        worst = {s: float(get[s, "real-time"]["min_completion"]) for s in ("ml", "abs", "pifo")}  # type: ignore[arg-type]
+        worst = {s: as_float(get[s, "real-time"]["min_completion"]) for s in ("ml", "abs", "pifo")}
         ok = all(v == 1.0 for v in worst.values())
         lines.append(f"{'PASS' if ok else 'MISS'} ml, abs, pifo complete 100% of real-time in "
                      f"every seed (worst seed: {worst})")  # fmt: skip
     if have("ml", "abs"):
         ml, ab = get["ml", "free-tier"]["completion"], get["abs", "free-tier"]["completion"]
-        ok = float(ml) >= float(ab)  # type: ignore[arg-type]
+        ok = as_float(ml) >= as_float(ab)
         lines.append(f"{'PASS' if ok else 'MISS'} ml completes at least as many free-tier as abs "
                      f"({ml} vs {ab})")  # fmt: skip
     if have("fcfs", "ml"):
         short = [(c, get["fcfs", c]["latency_p50_s"], get["ml", c]["latency_p50_s"])
                  for c in ("real-time", "free-tier")]  # fmt: skip
-        ok = all(float(f) > float(m) for _, f, m in short)  # type: ignore[arg-type]
+        ok = all(as_float(f) > as_float(m) for _, f, m in short)
         lines.append(f"{'PASS' if ok else 'MISS'} under fcfs long streams block short ones: "
                      f"median latency fcfs vs ml {short}")  # fmt: skip
     # The tail of every request of a stack, all classes together, over all seeds.
@@ -413,8 +413,8 @@ def check_targets(runs: Runs, rows: list[dict[str, object]]) -> list[str]:
         for stack in dict.fromkeys(s for s, _ in runs)
     }  # fmt: skip
     if "h2-tls" in tails:
-        worst = max(tails, key=lambda s: tails[s])
-        lines.append(f"{'PASS' if worst == 'h2-tls' else 'MISS'} TLS/TCP on one connection has "
+        slowest = max(tails, key=lambda s: tails[s])
+        lines.append(f"{'PASS' if slowest == 'h2-tls' else 'MISS'} TLS/TCP on one connection has "
                      f"the worst tail: p99 of all requests by stack {tails}")  # fmt: skip
     return lines
 
@@ -423,9 +423,9 @@ def print_table(rows: list[dict[str, object]]) -> None:
     print(f"{'stack':8} {'class':10} {'completion (95% CI)':>22} {'worst seed':>10} "
           f"{'p50 s':>7} {'p99 s':>7} {'max s':>7} {'failed':>6}")  # fmt: skip
     for r in rows:
-        print(f"{r['stack']!s:8} {r['class']!s:10} {100 * float(r['completion']):>13.1f}% "  # type: ignore[arg-type]
-              f"± {100 * float(r['completion_ci95']):>4.1f} "  # type: ignore[arg-type]
-              f"{100 * float(r['min_completion']):>9.1f}% {r['latency_p50_s']!s:>7} "  # type: ignore[arg-type]
+        print(f"{r['stack']!s:8} {r['class']!s:10} {100 * as_float(r['completion']):>13.1f}% "
+              f"± {100 * as_float(r['completion_ci95']):>4.1f} "
+              f"{100 * as_float(r['min_completion']):>9.1f}% {r['latency_p50_s']!s:>7} "
               f"{r['latency_p99_s']!s:>7} {r['latency_max_s']!s:>7} "
               f"{r['failed']!s:>6}")  # fmt: skip
 

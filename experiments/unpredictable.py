@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
-from experiments.output import write_csv
+from experiments.output import as_float, as_int, write_csv
 from experiments.policies import add_admission_argument, baselines
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
@@ -46,12 +46,11 @@ def report(rows: list[dict[str, object]], deployment: Deployment, caption: str) 
     """Table 2 for these rows: windows per threshold summed over seeds, and the ratios."""
     policies = list(dict.fromkeys(str(r["policy"]) for r in rows))
     totals = {
-        name: {k: sum(int(r[f">={k}"]) for r in rows if r["policy"] == name) for k in KEYS}  # type: ignore[call-overload]
+        name: {k: sum(as_int(r[f">={k}"]) for r in rows if r["policy"] == name) for k in KEYS}
         for name in policies
     }
     rewards = {
-        name: [float(r["mean_reward"]) for r in rows if r["policy"] == name]  # type: ignore[arg-type]
-        for name in policies
+        name: [as_float(r["mean_reward"]) for r in rows if r["policy"] == name] for name in policies
     }
     print(caption)
     print(f"{'policy':>16} {'reward':>14} " + " ".join(f"{'>=' + k:>8}" for k in KEYS))

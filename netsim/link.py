@@ -15,6 +15,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MTU = 1500
 """Bytes a Mahimahi delivery opportunity carries."""
@@ -151,8 +152,8 @@ class LinkConfig:
             LinkDirection(self.down, random.Random(rng.random())),
         )
 
-    def replace(self, **changes: object) -> LinkConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> LinkConfig:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass

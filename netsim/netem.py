@@ -36,10 +36,10 @@ import struct
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import IO, Any, Literal, TypedDict, Unpack
 
 from netsim.forwarder import LinkFds, Spec
 from netsim.link import DeliveryTrace, GilbertElliott, LinkConfig
@@ -55,6 +55,15 @@ NETWORK = "10.77.0.0/16"
 
 _TUNSETIFF = 0x400454CA
 _IFF_TUN, _IFF_NO_PI = 0x0001, 0x1000
+
+
+class PopenOptions(TypedDict, total=False):
+    """What `Netem.popen` passes on to `subprocess.Popen` (bytes mode), besides `env`."""
+
+    cwd: str | os.PathLike[str]
+    stdin: int | IO[Any] | None
+    stdout: int | IO[Any] | None
+    stderr: int | IO[Any] | None
 
 
 class NetemError(Exception):
@@ -199,11 +208,12 @@ class Netem:
             _ip("netns", "add", name)
             _ip("-n", name, "link", "set", "lo", "up")
         _ip("-n", self.server, "addr", "add", f"{SERVER_ADDRESS}/32", "dev", "lo")
-        ends = {
+        by_topology: dict[Topology, list[tuple[str | None, str | None]]] = {
             "pair": [(self.client, self.server)],
             "chain": [(self.client, self.middle), (self.middle, self.server)],
             "star": [(client, self.server) for client in self.clients],
-        }[self.topology]
+        }
+        ends = by_topology[self.topology]
         fds: list[int] = []
         links = []
         try:
@@ -264,13 +274,18 @@ class Netem:
                 os.close(fd)
 
     def popen(
-        self, namespace: str, argv: Sequence[str], **kwargs: object
+        self,
+        namespace: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Unpack[PopenOptions],
     ) -> subprocess.Popen[bytes]:
         """Start `argv` in one of the namespaces; it is killed at teardown if still running."""
-        env = {**os.environ, "NETEM_SERVER": self.server_address, **kwargs.pop("env", {})}  # type: ignore[dict-item]
-        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], env=env, **kwargs)  # type: ignore[call-overload]
+        env = {**os.environ, "NETEM_SERVER": self.server_address, **(env or {})}
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], env=env, **kwargs)
         self._children.append(process)
-        return process  # type: ignore[no-any-return]
+        return process
 
     def close(self) -> None:
         for child in self._children:

@@ -234,7 +234,8 @@ class DqnPolicy:
     def save(self, path: str | Path) -> None:
         arrays = {f"w{i}": w for i, (w, _) in enumerate(self.layers)}
         arrays |= {f"b{i}": b for i, (_, b) in enumerate(self.layers)}
-        np.savez_compressed(path, meta=np.array(json.dumps(self.meta)), **arrays)
+        # numpy's stub: mypy checks the **dict against the keyword allow_pickle too.
+        np.savez_compressed(path, meta=np.array(json.dumps(self.meta)), **arrays)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls, path: str | Path) -> DqnPolicy:

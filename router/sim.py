@@ -24,6 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -246,7 +247,7 @@ class Simulator:
         self._seq = itertools.count()
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment, **kwargs: object) -> Simulator:
+    def from_deployment(cls, deployment: Deployment, **kwargs: Any) -> Simulator:
         if deployment.profile is None:
             raise ValueError(f"deployment {deployment.name!r} names no latency profile")
         replicas = [(r.name, r.model, r.device or r.name) for r in deployment.replicas]
@@ -254,7 +255,7 @@ class Simulator:
         kwargs.setdefault("deadlines", {n: c.deadline_s for n, c in deployment.qos_classes.items()})
         if deployment.max_batch is not None:  # vLLM's cap on a batch, where the deployment sets one
             kwargs.setdefault("max_batch", deployment.max_batch)
-        return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)  # type: ignore[arg-type]
+        return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)
 
     def view(self) -> ClusterView:
         return ClusterView(

@@ -352,7 +352,7 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     curve_file = args.logdir / "learning-curve.json"
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
-        progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]  # type: ignore[misc]
+        progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]
     validation = Validation(deployment)
     best = BestPolicy(validation, env, args.eval_every)
     callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
@@ -398,7 +398,7 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     curve_file = args.logdir / "learning-curve.json"
     if curve_file.exists():
         curve = [tuple(p) for p in json.loads(curve_file.read_text())]
-        plot_curve(curve, args.logdir / "learning-curve.png",  # type: ignore[arg-type]
+        plot_curve(curve, args.logdir / "learning-curve.png",
                    f"DQN router, {deployment.name}", validation.evaluations)  # fmt: skip
     return validation.save(
         args.out, _meta(args, deployment, _step(found[-1]), args.learning_starts)

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from serving import outcomes
@@ -197,11 +198,11 @@ class ShedAtTheDoor:
         await self.app(scope, _replay(whole, receive), send)
 
 
-def _replay(first: dict[str, Any], receive: Receive) -> Receive:
+def _replay(first: AsgiMessage, receive: Receive) -> Receive:
     """`receive`, giving `first` before anything else."""
-    pending: list[dict[str, Any]] = [first]
+    pending = [first]
 
-    async def replayed() -> dict[str, Any]:
+    async def replayed() -> AsgiMessage:
         return pending.pop() if pending else await receive()
 
     return replayed
@@ -299,7 +300,7 @@ async def _start(
     )
 
 
-async def _all_started(starts: list[Awaitable[Generation]]) -> list[Generation]:
+async def _all_started(starts: Sequence[Awaitable[Generation]]) -> list[Generation]:
     """Every generation started, or none left open: if one fails (or the wait is cancelled),
     the others are cancelled or closed, and the first error raised."""
     tasks = [asyncio.ensure_future(start) for start in starts]

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from aioquic.asyncio import connect
@@ -31,6 +31,7 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
+    udp_transport,
     widen_receive_buffer,
 )
 from transport.eloquent import HEADER as ELOQUENT_HEADER
@@ -127,7 +128,7 @@ class _ClientProtocol(CoalescingProtocol):
 
     @property
     def quic(self) -> ScheduledQuicConnection:
-        return self._quic  # type: ignore[return-value]
+        return cast(ScheduledQuicConnection, self._quic)  # adopted in __init__
 
     @property
     def stream_credit(self) -> int:
@@ -199,8 +200,9 @@ class _ClientProtocol(CoalescingProtocol):
             self._h3_event_received(h3_event)
 
     def _h3_event_received(self, event: H3Event) -> None:
-        pending = self.pending.get(event.stream_id) if hasattr(event, "stream_id") else None
-        if pending is None:
+        stream_id: int | None = getattr(event, "stream_id", None)
+        pending = self.pending.get(stream_id) if stream_id is not None else None
+        if stream_id is None or pending is None:
             if isinstance(event, DatagramReceived) and event.stream_id in self._ended:
                 # The server had not heard that we hold everything: tell it again, or it
                 # re-sends until it gives up (or until it sees the stream acknowledged).
@@ -227,11 +229,11 @@ class _ClientProtocol(CoalescingProtocol):
         if getattr(event, "stream_ended", False):
             if lane is not None:
                 lane.end()
-                self._ended[event.stream_id] = lane
+                self._ended[stream_id] = lane
                 while len(self._ended) > _ENDED_LANES:
                     del self._ended[next(iter(self._ended))]
             pending.chunks.put_nowait(None)
-            self.pending.pop(event.stream_id, None)
+            self.pending.pop(stream_id, None)
 
     def _fail(self, stream_id: int, error: StreamError) -> None:
         pending = self.pending.pop(stream_id, None)
@@ -297,7 +299,7 @@ class Http3Client:
             wait_connected=True,
         )
         self._protocol = await self._context.__aenter__()
-        widen_receive_buffer(self._protocol._transport.get_extra_info("socket"))
+        widen_receive_buffer(udp_transport(self._protocol).get_extra_info("socket"))
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

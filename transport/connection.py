@@ -21,6 +21,7 @@ work behind the stream. It runs the same on the client side (requests) and on th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aioquic.asyncio import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection, stream_is_unidirectional
 from aioquic.quic.events import QuicEvent
@@ -105,6 +107,7 @@ class CountingRecovery(QuicPacketRecovery):
         if self._resent_early and space.is_application_data:
             while self._resent_early:  # oldest first: they are kept in the order PTOs sent them
                 oldest = next(iter(self._resent_early.values()))
+                assert oldest.sent_time is not None  # aioquic stamps every packet it sends
                 if oldest.sent_time >= now - RESENT_EARLY_S:
                     break
                 del self._resent_early[oldest.packet_number]
@@ -203,10 +206,10 @@ class ScheduledQuicConnection(QuicConnection):
         # did; the round is settled in _settle_round once both have arrived.
         if "_queue_view" not in self.__dict__:
             return  # QuicConnection.__init__ assigns [] before adopt() has run
-        self._kept = {stream.stream_id for stream in kept}
+        self._kept = {_id(stream) for stream in kept}
 
     def _settle_round(self, sent: list[QuicStream]) -> None:
-        kept = self._kept | {stream.stream_id for stream in sent}
+        kept = self._kept | {_id(stream) for stream in sent}
         for stream_id, served in self._round.items():
             if served.popped and stream_id in kept:
                 sent_bytes = served.stream.sender.highest_offset - served.start
@@ -221,11 +224,12 @@ class ScheduledQuicConnection(QuicConnection):
         self._kept = set()
 
     def _adopt(self, stream: QuicStream) -> None:
-        if stream_is_unidirectional(stream.stream_id):
-            self._unscheduled[stream.stream_id] = stream
+        stream_id = _id(stream)
+        if stream_is_unidirectional(stream_id):
+            self._unscheduled[stream_id] = stream
             return
-        self._owned[stream.stream_id] = stream
-        self.scheduler.add(stream.stream_id, self._early_specs.pop(stream.stream_id, DEFAULT_SPEC))
+        self._owned[stream_id] = stream
+        self.scheduler.add(stream_id, self._early_specs.pop(stream_id, DEFAULT_SPEC))
 
     def _service_order(self) -> Iterator[QuicStream]:
         if self._round_open:
@@ -244,7 +248,7 @@ class ScheduledQuicConnection(QuicConnection):
             elif not s.is_blocked and not s.sender.buffer_is_empty:
                 ready += 1
         for stream in first:
-            self._round[stream.stream_id] = _Served(stream, stream.sender.highest_offset)
+            self._round[_id(stream)] = _Served(stream, stream.sender.highest_offset)
             yield stream
         # No stream has bytes to send (a packet of ACKs only, or every response waiting for its
         # next token): the order cannot matter, so the scheduler is left untouched rather than
@@ -338,6 +342,12 @@ class ScheduledQuicConnection(QuicConnection):
         return timer
 
 
+def _id(stream: QuicStream) -> int:
+    # Optional in aioquic's type for its crypto streams, which never reach the stream queue.
+    assert stream.stream_id is not None
+    return stream.stream_id
+
+
 @dataclass
 class _Served:
     stream: QuicStream
@@ -410,6 +420,14 @@ UDP_RECEIVE_BUFFER = 4 * 2**20
 """Bytes. Linux's default (208 KiB) overflows in bursts at a few hundred packets in flight:
 every datagram dropped there is a QUIC loss, recovered only after a probe timeout. QUIC stacks
 ask for more (quic-go: 7 MiB); the kernel caps the request at net.core.rmem_max."""
+
+
+def udp_transport(endpoint: QuicConnectionProtocol | QuicServer) -> asyncio.DatagramTransport:
+    """The socket's transport of a connection or server that aioquic's `connect` or `serve` has
+    set up; aioquic types it optional, as it is until the socket is bound."""
+    transport = endpoint._transport
+    assert transport is not None
+    return transport
 
 
 def widen_receive_buffer(sock: socket.socket | None) -> None:

@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +56,10 @@ HOP_BY_HOP = {
     "host",
 }
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+# As starlette's, which `BodyLimit` wraps the proxy in.
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 DEFAULT_BACKEND_CONNECTIONS = 8
@@ -161,7 +163,7 @@ class EdgeProxy:
         self.pool = pool
         self.edge_key = edge_key
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
@@ -177,7 +179,7 @@ class EdgeProxy:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = b""
         while True:
             message = await receive()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 from aioquic.asyncio import serve
@@ -57,6 +57,7 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
+    udp_transport,
     widen_receive_buffer,
 )
 from transport.drain import Drain
@@ -188,8 +189,9 @@ class Http3Server:
             host, port, configuration=self.settings.quic_configuration(),
             create_protocol=create_protocol,
         )  # fmt: skip
-        self.port = self._server._transport.get_extra_info("sockname")[1]
-        widen_receive_buffer(self._server._transport.get_extra_info("socket"))
+        transport = udp_transport(self._server)
+        self.port = transport.get_extra_info("sockname")[1]
+        widen_receive_buffer(transport.get_extra_info("socket"))
 
     def goaway(self) -> None:
         """Send GOAWAY on every connection (connections made later get it once they speak
@@ -229,7 +231,7 @@ class _Http3Protocol(CoalescingProtocol):
 
     @property
     def quic(self) -> ScheduledQuicConnection:
-        return self._quic  # type: ignore[return-value]
+        return cast(ScheduledQuicConnection, self._quic)  # as __init__ was given it
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated):
@@ -317,7 +319,7 @@ class _Http3Protocol(CoalescingProtocol):
             "root_path": "",
             "headers": headers,
             "client": self._peer(),
-            "server": self._transport.get_extra_info("sockname")[:2],
+            "server": udp_transport(self).get_extra_info("sockname")[:2],
             "extensions": extensions,
         }
         if self._goaway_id is not None and event.stream_id >= self._goaway_id:

@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,10 +73,20 @@ class ArrivalStampingProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {ARRIVAL: time.monotonic()}
+        # Ours hold plain values (a time, a path), where uvicorn's scope type wants dicts.
+        extensions: dict[str, Any] = {ARRIVAL: time.monotonic()}
+        self.scope["extensions"] = extensions
         path = tcp_path(self.transport.get_extra_info("socket"))
         if path is not None:
-            self.scope["extensions"][PATH] = path
+            extensions[PATH] = path
+
+
+class _UvicornWithoutSignals(uvicorn.Server):
+    """Leaves signals to `DualServer` (see where it starts uvicorn)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 _TLS_SOCKETS: dict[tuple[Any, Any], socket.socket] = {}
@@ -145,7 +155,7 @@ class WithoutLifespan:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
             await self.app(scope, receive, send)
             return
@@ -272,13 +282,12 @@ class DualServer:
             timeout_graceful_shutdown=5,
             http=ArrivalStampingProtocol,
         )
-        self._uvicorn = uvicorn.Server(config)
         # Signals are ours (serve_forever), not uvicorn's. uvicorn 0.54 takes SIGINT and SIGTERM
         # for the whole of serve() (capture_signals: signal.signal, which asyncio's wakeup fd
         # does not prevent from reaching our handler too): it would stop accepting at the first
         # signal, close connections after its own timeout, and raise the signal again when done,
         # cutting the drain short. (Its install_signal_handlers, overridden here before, is gone.)
-        self._uvicorn.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        self._uvicorn = _UvicornWithoutSignals(config)
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve())
         while not self._uvicorn.started:
             if self._uvicorn_task.done():

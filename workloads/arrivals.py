@@ -146,7 +146,8 @@ class SwitchingRate(ArrivalProcess):
 
     def schedule(self, seed: int, duration: float) -> list[tuple[float, float]]:
         """(start, rate) of each level `iter(seed)` visits before `duration`, for plotting."""
-        out, start = [], 0.0
+        out: list[tuple[float, float]] = []
+        start = 0.0
         for segment in self.segments(np.random.default_rng(seed).spawn(1)[0]):
             if start >= duration:
                 return out

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,7 +53,10 @@ class Sessions:
     """A background document in the first message makes each conversation's prefix its own."""
 
 
-def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
+V = TypeVar("V")
+
+
+def _frozen(mapping: Mapping[str, V]) -> Mapping[str, V]:
     return MappingProxyType(dict(mapping))
 
 
@@ -87,10 +91,10 @@ class WorkloadSpec:
             raise ValueError(f"no prompts for task(s): {', '.join(missing)}")
 
 
-def from_trace(records: Sequence[TraceRecord], **overrides: object) -> WorkloadSpec:
+def from_trace(records: Sequence[TraceRecord], **overrides: Any) -> WorkloadSpec:
     """Replay a trace's arrival times and token lengths, with contents drawn as usual."""
     arrivals = Replay(tuple(r.arrival for r in records))
-    return WorkloadSpec(arrivals=arrivals, trace=tuple(records), **overrides)  # type: ignore[arg-type]
+    return WorkloadSpec(arrivals=arrivals, trace=tuple(records), **overrides)
 
 
 def load_prompts(path: str | Path) -> dict[str, tuple[str, ...]]:

@@ -71,7 +71,7 @@ async def _content(response: httpx.Response) -> bytes:
 
 
 def request_body(request: Request, model: str, ignore_eos: bool) -> dict[str, Any]:
-    assert not isinstance(request.prompt, str)
+    assert isinstance(request.prompt, tuple)  # it sends chat completions only
     return {
         "model": model,
         "messages": [{"role": m.role, "content": m.content} for m in request.prompt],

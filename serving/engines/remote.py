@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Literal, TypedDict
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
 from config import ReplicaConfig
 from serving.engines.base import (
@@ -21,13 +23,29 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from workloads import Request, TokenIds
+from workloads import Message, Request, TokenIds
 
 log = logging.getLogger(__name__)
 
 
 class WrongModel(Exception):
     """The server answers, but does not serve the model under the configured name."""
+
+
+class _StreamArgs(TypedDict):
+    """What a chat and a plain completion request share, as the openai client takes it."""
+
+    model: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    stop: list[str] | None
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    stream: Literal[True]
+    stream_options: ChatCompletionStreamOptionsParam
+    extra_body: dict[str, object]
 
 
 class RemoteEngine:
@@ -112,9 +130,9 @@ class RemoteEngine:
             raise EngineError(f"{self.config.name}: {_message(exc)}") from exc
         finally:
             self._open.discard(request.request_id)
-            stream = self._streams.pop(request.request_id, None)
-            if stream is not None:
-                await stream.close()  # vllm serve aborts a request whose connection closes
+            still_open = self._streams.pop(request.request_id, None)
+            if still_open is not None:
+                await still_open.close()  # vllm serve aborts a request whose connection closes
 
     async def _start(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
         """Send the request. Failures here mean the server never took it, so another may."""
@@ -133,7 +151,7 @@ class RemoteEngine:
             raise
 
     async def _create(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
-        common = dict(
+        common = _StreamArgs(
             model=self.config.served_name,
             max_tokens=request.max_tokens,
             temperature=sampling.temperature,
@@ -143,11 +161,12 @@ class RemoteEngine:
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            # continuous_usage_stats is vLLM's, unknown to openai's type.
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
             extra_body={"ignore_eos": sampling.ignore_eos},
         )
-        if request.is_chat:
-            messages = [{"role": m.role, "content": m.content} for m in request.prompt]
+        if isinstance(request.prompt, tuple):  # a chat
+            messages = [_chat_message(m) for m in request.prompt]
             return await self._client.chat.completions.create(messages=messages, **common)
         prompt = (
             list(request.prompt.ids) if isinstance(request.prompt, TokenIds) else request.prompt
@@ -176,6 +195,15 @@ def _error_field(exc: openai.APIError, field: str) -> str | None:
     inner = body.get("error", body)
     value = inner.get(field) if isinstance(inner, dict) else None
     return value if isinstance(value, str) else None
+
+
+def _chat_message(message: Message) -> ChatCompletionMessageParam:
+    # A branch per role: openai's type of a message is one TypedDict per role.
+    if message.role == "system":
+        return {"role": "system", "content": message.content}
+    if message.role == "user":
+        return {"role": "user", "content": message.content}
+    return {"role": "assistant", "content": message.content}
 
 
 def _message(exc: openai.APIError) -> str:

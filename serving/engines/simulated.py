@@ -123,9 +123,8 @@ class SimulatedEngine:
         assert profile is not None  # SimulatedCluster checked
         self.config = config
         self.cluster = cluster
-        args = config.engine_args
-        self.max_model_len = int(args.get("max_model_len", DEFAULT_MAX_MODEL_LEN))  # type: ignore[call-overload]
-        max_batch = int(args.get("max_num_seqs", DEFAULT_MAX_BATCH))  # type: ignore[call-overload]
+        self.max_model_len = config.engine_int("max_model_len", DEFAULT_MAX_MODEL_LEN)
+        max_batch = config.engine_int("max_num_seqs", DEFAULT_MAX_BATCH)
         self._batch = Batcher(profile.models[config.model], max_batch)
         self._device = config.device or config.name
         faults = cluster.simulation.faults

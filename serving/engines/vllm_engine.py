@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from config import ReplicaConfig
 from serving.embedded import ensure_built
@@ -25,11 +25,23 @@ from serving.engines.warmup import WarmedPath, describe, paths, warm_up
 from workloads import Request
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class _MemoryArgs(TypedDict, total=False):
+    """The engine's share of its device, in vLLM's terms: one of the two, or neither."""
+
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+
+
+class _DtypeArgs(TypedDict, total=False):
+    dtype: Literal["float32"]
 
 
 class VllmEngine:
@@ -53,13 +65,15 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Whatever models.yaml gives, unchecked here: vLLM checks its own arguments.
+        engine_args: Mapping[str, Any] = self.config.engine_args
         args = AsyncEngineArgs(
             model=self.config.source,
             served_model_name=[self.config.model],
             disable_log_stats=True,
             **self._memory_args(),
             **self._dtype_args(),
-            **self.config.engine_args,  # type: ignore[arg-type]
+            **engine_args,
         )
         cores = self._cpu_cores()
         async with _SPAWN_ENV.use(self._spawn_env(cores)):
@@ -95,14 +109,14 @@ class VllmEngine:
         to_warm = paths(self.max_model_len, max_batch, filler, seeded=self.config.device != "cpu")
         return await warm_up(lambda r, s: self._generate(llm, r, s), to_warm)
 
-    def _memory_args(self) -> dict[str, object]:
+    def _memory_args(self) -> _MemoryArgs:
         if self.config.kv_cache_gib is not None:
             return {"kv_cache_memory_bytes": int(self.config.kv_cache_gib * 2**30)}
         if self.config.memory_fraction is not None:
             return {"gpu_memory_utilization": self.config.memory_fraction}
         return {}
 
-    def _dtype_args(self) -> dict[str, object]:
+    def _dtype_args(self) -> _DtypeArgs:
         """float32 on a CPU, unless the placement says otherwise.
 
         vLLM's CPU default turns float32 and fp16 weights into bf16. On this project's first
@@ -166,7 +180,9 @@ class VllmEngine:
             index = visible.split(",")[int(index)]
         return {"CUDA_VISIBLE_DEVICES": index}
 
-    def _sampling_params(self, request: Request, sampling: Sampling, prompt_len: int):
+    def _sampling_params(
+        self, request: Request, sampling: Sampling, prompt_len: int
+    ) -> SamplingParams:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -156,9 +156,9 @@ def _run(
         headers["Authorization"] = f"Bearer {args.api_key}"
     progress = tqdm(total=len(replicas) * len(tasks), desc="quality", unit="task")
     for model, replica in replicas.items():
-        max_model_len = int(replica.engine_args.get("max_model_len", 2048))  # type: ignore[arg-type]
+        max_model_len = replica.engine_int("max_model_len", 2048)
         if url is None:
-            engine_args = {"dtype": "float32"} if replica.device == "cpu" else {}
+            engine_args: dict[str, object] = {"dtype": "float32"} if replica.device == "cpu" else {}
             engine_args.update(replica.engine_args)
             kv_cache = int(replica.kv_cache_gib * 2**30) if replica.kv_cache_gib else None
             lm = evaluate.direct_vllm(

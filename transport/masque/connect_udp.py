@@ -140,10 +140,10 @@ def parse_connect_udp(headers: Iterable[tuple[bytes, bytes]]) -> UdpTarget:
             if not capsule_protocol
             else "capsule-protocol appears more than once, so it is ignored; send it once as ?1",
         )
-    value = capsule_protocol[0].decode("latin-1")
-    match = _SF_BOOLEAN_ITEM.fullmatch(value)
+    item = capsule_protocol[0].decode("latin-1")
+    match = _SF_BOOLEAN_ITEM.fullmatch(item)
     if match is None or match.group(1) != "1":
-        raise ConnectUdpError(400, f"capsule-protocol must be the boolean ?1, got {value!r}")
+        raise ConnectUdpError(400, f"capsule-protocol must be the boolean ?1, got {item!r}")
     return target
 
 

@@ -76,6 +76,7 @@ from transport.connection import (
     CoalescingProtocol,
     ScheduledQuicConnection,
     adopt,
+    udp_transport,
     widen_receive_buffer,
 )
 from transport.masque.access import TunnelAccess
@@ -219,9 +220,9 @@ class _ProxyProtocol(CoalescingProtocol):
             self.proxy._protocols.discard(self)
             return
         if isinstance(event, StreamReset):
-            tunnel = self.tunnels.pop(event.stream_id, None)
-            if tunnel is not None:
-                tunnel.close()
+            reset = self.tunnels.pop(event.stream_id, None)
+            if reset is not None:
+                reset.close()
         for h3_event in self.h3.handle_event(event):
             self._h3_event_received(h3_event)
 
@@ -339,7 +340,7 @@ class _ProxyProtocol(CoalescingProtocol):
             self.proxy.sockets_closed += 1
             return
         self._respond(tunnel.stream_id, 200, [(b"capsule-protocol", b"?1")])
-        tunnel.opened(transport)  # type: ignore[arg-type]
+        tunnel.opened(transport)
 
 
 class MasqueProxy:
@@ -397,7 +398,7 @@ class MasqueProxy:
             self.host, self.port, configuration=self._configuration,
             create_protocol=create_protocol,
         )  # fmt: skip
-        sock = self._server._transport.get_extra_info("socket")
+        sock = udp_transport(self._server).get_extra_info("socket")
         widen_receive_buffer(sock)
         self.port = sock.getsockname()[1]
 

@@ -52,6 +52,7 @@ from transport.connection import (
     CoalescingProtocol,
     ScheduledQuicConnection,
     adopt,
+    udp_transport,
     widen_receive_buffer,
 )
 from transport.masque.capsule import (
@@ -101,12 +102,12 @@ class _ProxyClientProtocol(CoalescingProtocol):
             for tunnel in list(self.tunnels.values()):
                 tunnel._ended(why)
             return
-        if isinstance(event, StreamReset) and (tunnel := self.tunnels.get(event.stream_id)):
-            tunnel._ended(f"stream reset by the proxy ({event.error_code:#x})")
+        if isinstance(event, StreamReset) and (reset := self.tunnels.get(event.stream_id)):
+            reset._ended(f"stream reset by the proxy ({event.error_code:#x})")
         for h3_event in self.h3.handle_event(event):
             stream_id = getattr(h3_event, "stream_id", None)
-            if stream_id is not None and (tunnel := self.tunnels.get(stream_id)) is not None:
-                tunnel._h3_event(h3_event)
+            if stream_id is not None and (owner := self.tunnels.get(stream_id)) is not None:
+                owner._h3_event(h3_event)
 
 
 class _LocalProtocol(asyncio.DatagramProtocol):
@@ -189,7 +190,7 @@ class MasqueClient:
         )  # fmt: skip
         protocol = await self._context.__aenter__()
         assert isinstance(protocol, _ProxyClientProtocol)
-        widen_receive_buffer(protocol._transport.get_extra_info("socket"))
+        widen_receive_buffer(udp_transport(protocol).get_extra_info("socket"))
         self.protocol = protocol
         self._keep_alive = asyncio.get_running_loop().create_task(self._ping_while_open())
 
