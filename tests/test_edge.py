@@ -29,6 +29,7 @@ from tests.conftest import (
     launch,
     remote_placement,
     serving_command,
+    starts,
     wait_until,
 )
 from tests.conftest import (
@@ -186,6 +187,7 @@ MAX_STREAMS = 4
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     """The null server (first token after 1 s, then every token at once), `python -m serving`
     with it as its one replica, and the edge in front of that."""

@@ -36,6 +36,7 @@ from tests.conftest import (
     one_vllm_engine,
     processes_under,
     serving_command,
+    starts,
     wait_until,
 )
 from tests.conftest import (
@@ -54,6 +55,7 @@ STREAM_TOKENS = 1_000
 
 
 @pytest.fixture(scope="module")
+@starts("vllm")
 def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("graceful")
     port, h3_port = free_port(), free_udp_port()

@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 
 from experiments import masque
-from netsim.netem import NetemError, check_can_run
 
-try:
-    check_can_run()
-except NetemError as reason:
-    pytest.skip(str(reason), allow_module_level=True)
+# Root and /dev/net/tun, as the emulator needs: skipped without them, with the reason.
+pytestmark = pytest.mark.usefixtures("netns")
 
 
 def test_both_emulated_experiments_echo_every_stream_through_the_proxy(

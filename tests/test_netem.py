@@ -20,12 +20,10 @@ from pathlib import Path
 import pytest
 
 from netsim.link import DeliveryTrace, GilbertElliott, LinkConfig
-from netsim.netem import PREFIX, Netem, NetemError, Topology, check_can_run
+from netsim.netem import PREFIX, Netem, Topology
 
-try:
-    check_can_run()
-except NetemError as reason:
-    pytest.skip(str(reason), allow_module_level=True)
+# Root and /dev/net/tun, as the emulator needs: skipped without them, with the reason.
+pytestmark = pytest.mark.usefixtures("netns")
 
 PROBE = [sys.executable, "-m", "netsim.probe"]
 ROOT = Path(__file__).resolve().parent.parent

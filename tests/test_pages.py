@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CERT, PREMIUM_KEY, ROOT, Server
+from tests.conftest import CERT, PREMIUM_KEY, ROOT, Server, starts
 
 SCREENSHOTS = ROOT / "results" / "pages"
 CHROMIUM = "/usr/bin/chromium"
@@ -61,6 +61,7 @@ def chromium_args(h3_port: int) -> list[str]:
 
 
 @pytest.fixture
+@starts("browser")
 def browser(server: Server) -> Iterator[Any]:
     """Headless Chromium, ready for the embedded server's HTTP/3 port. Per test: Playwright's
     sync API runs an event loop of its own in this thread while it lives, and the asyncio

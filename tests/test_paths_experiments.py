@@ -12,13 +12,6 @@ from pathlib import Path
 import pytest
 
 from experiments import paths, paths_live
-from netsim.netem import NetemError, check_can_run
-
-try:
-    check_can_run()
-    NETEM: str | None = None
-except NetemError as reason:
-    NETEM = str(reason)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -56,7 +49,7 @@ def test_a_small_simulated_run_compares_both_routers_on_both_mixes(
     assert "LAN only, stable" in out and "mixed paths, unpredictable" in out
 
 
-@pytest.mark.skipif(NETEM is not None, reason=NETEM or "")
+@pytest.mark.usefixtures("netns")  # root and /dev/net/tun, as the emulator needs
 def test_a_small_live_run_accounts_for_every_request_on_every_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from serving.quality.tasks import TASKS
-from tests.conftest import PYTHON, ROOT, Server
+from tests.conftest import PYTHON, ROOT, Server, starts
 
 LIMIT = 5
 MODELS = ("tiny-s", "tiny-m", "tiny-l")
@@ -86,6 +86,7 @@ def through_server(
 
 
 @pytest.fixture(scope="module")
+@starts("vllm")
 def direct(session_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """lm-eval's own vllm backend on tiny-s's files, the deployment's engine args."""
     config = session_dir / "models.yaml"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -32,10 +32,6 @@ from serving.replicas import Backoff, Replica, ReplicaSet, Supervisor
 from tests.conftest import (
     ROOT,
     Server,
-    free_port,
-    free_udp_port,
-    launch,
-    serving_command,
     wait_until,
 )
 from workloads import Message, Request
@@ -278,32 +274,19 @@ def test_time_scale_scales_the_profile_for_everyone() -> None:
     assert isinstance(twin.simulation, Simulation)
 
 
-@pytest.fixture(scope="module")
-def twin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """`python -m serving --deployment paper-4gpu-sim`: twelve simulated replicas."""
-    logs = tmp_path_factory.mktemp("twin")
-    port, h3_port = free_port(), free_udp_port()
-    command = serving_command(
-        ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port", str(h3_port)
-    )
-    server = launch("twin", command, port, "/readyz", logs, h3_port=h3_port)
-    yield server.wait_ready()
-    server.stop()
-
-
-def test_the_paper_deployment_serves_live(twin: Server) -> None:
-    ready = httpx.get(f"{twin.url}/readyz").json()
+def test_the_paper_deployment_serves_live(paper_twin: Server) -> None:
+    ready = httpx.get(f"{paper_twin.url}/readyz").json()
     assert len(ready["replicas"]) == 12 and all(ready["replicas"].values()), ready
     body = {"model": "auto", "task": "copa", "messages": [{"role": "user", "content": "Hi"}],
             "max_tokens": 6, "ignore_eos": True}  # fmt: skip
-    answer = httpx.post(f"{twin.url}/v1/chat/completions", json=body, timeout=30)
+    answer = httpx.post(f"{paper_twin.url}/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
     reply = answer.json()
     assert reply["model"] in {"opt-125m", "opt-1.3b", "opt-6.7b"}
     assert reply["usage"]["completion_tokens"] == 6
     assert answer.headers["x-replica"].endswith(reply["model"])
     labels = {"qos_class": answer.headers["x-qos-class"], "model": reply["model"], "outcome": "ok"}
-    wait_until(lambda: twin.metric("serving_requests_total", **labels) >= 1)
+    wait_until(lambda: paper_twin.metric("serving_requests_total", **labels) >= 1)
 
 
 def test_the_servers_time_scale_applies_on_top_of_the_files() -> None:
@@ -357,3 +340,32 @@ async def test_a_reader_that_stalls_holds_its_replica_no_longer_than_the_engine(
 async def _until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         await asyncio.sleep(0.01)
+
+
+def test_the_twin_counts_tokens_as_the_engines_tokenizer_does() -> None:
+    # The twin loads the embedded tokenizer without transformers' AutoTokenizer (which imports
+    # torch); what it counts must not change.
+    from transformers import AutoTokenizer
+
+    from serving.embedded import ensure_built
+    from serving.engines.simulated import _load_tokenizer
+
+    tiny = load_deployment(name="embedded-sim").replicas[0]
+    assert tiny.build is not None
+    ensure_built(tiny.source, tiny.build)
+    light, auto = _load_tokenizer(tiny.source), AutoTokenizer.from_pretrained(tiny.source)
+    assert type(light) is type(auto)
+    chat = [{"role": "user", "content": "Héllo, wörld! 123"}, {"role": "assistant", "content": "x"}]
+    template = load_deployment(name="embedded-sim").replicas[0].fallback_chat_template
+    for text in ("", "The cat sat on the mat", "Héllo, wörld! 123 \n\t  spaces"):
+        assert light.encode(text) == auto.encode(text)
+        assert light.encode(text, add_special_tokens=False) == auto.encode(
+            text, add_special_tokens=False
+        )
+    rendered = [
+        t.apply_chat_template(chat, chat_template=template, add_generation_prompt=True,
+                              tokenize=False)
+        for t in (light, auto)
+    ]  # fmt: skip
+    assert rendered[0] == rendered[1]
+    assert len(light) == len(auto) and light.get_vocab() == auto.get_vocab()

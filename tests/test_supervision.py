@@ -32,6 +32,7 @@ from tests.conftest import (
     processes_under,
     remote_placement,
     serving_command,
+    starts,
     thread_cores,
     wait_until,
 )
@@ -108,6 +109,7 @@ def test_supervisor_backs_off_and_resets_once_the_engine_stays_up(
 
 
 @pytest.fixture(scope="module")
+@starts("vllm")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     """A server with one vLLM replica, a null server standing in for a `vllm serve`, and a
     server whose one replica is that null server. All start at once."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import ssl
 import subprocess
 import threading
@@ -24,6 +26,7 @@ from tests.conftest import (
     free_udp_port,
     launch,
     serving_command,
+    starts,
 )
 from tests.conftest import (
     test_config as write_test_config,
@@ -39,6 +42,7 @@ CHAT = {
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory = tmp_path_factory.mktemp("tls")
     port, h3_port = free_port(), free_udp_port()
@@ -216,3 +220,26 @@ def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
     assert proxy.accepted == connections
     if "--h2-streams" in proto:
         assert record["client"]["credit_waited"] > 0
+
+
+def test_a_stop_does_not_wait_for_an_idle_client_to_close_its_tls_connection(
+    tmp_path: Path,
+) -> None:
+    # A keep-alive client (a browser, a pool) that holds an idle connection and never answers
+    # TLS's close_notify held the server's exit for asyncio's 30 s SSL shutdown timeout, which
+    # then logged a traceback.
+    port = free_port()
+    command = serving_command(write_test_config(tmp_path), "embedded-sim", port, "--h3-port",
+                              "0", "--tls")  # fmt: skip
+    server = launch("tls-stop", command, port, "/readyz", tmp_path)
+    server.tls = True
+    server.wait_ready()
+    with httpx.Client(verify=str(CERT), http2=True) as idle:
+        assert idle.get(f"https://localhost:{port}/readyz").status_code == 200
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.process.wait(10)
+        finally:
+            server.stop()
+    assert server.process.returncode == 0
+    assert "SSL shutdown timed out" not in server.log.read_text()

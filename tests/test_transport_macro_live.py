@@ -12,19 +12,12 @@ import pytest
 
 from experiments import transport_macro_live
 from experiments.transport_macro import workload
-from netsim.netem import NetemError, check_can_run
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
 from workloads.metrics import Outcome
 
-try:
-    check_can_run()
-    NETEM: str | None = None
-except NetemError as reason:
-    NETEM = str(reason)
 
-
-@pytest.mark.skipif(NETEM is not None, reason=NETEM or "")
+@pytest.mark.usefixtures("netns")  # root and /dev/net/tun, as the emulator needs
 def test_a_small_run_accounts_for_every_request_both_ways(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 
 from experiments import transport_micro
-from netsim.netem import NetemError, check_can_run
 
-try:
-    check_can_run()
-except NetemError as reason:
-    pytest.skip(str(reason), allow_module_level=True)
+# Root and /dev/net/tun, as the emulator needs: skipped without them, with the reason.
+pytestmark = pytest.mark.usefixtures("netns")
 
 
 def test_one_seed_on_two_stacks_echoes_every_request(

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from serving.engines.warmup import paths
-from tests.conftest import ROOT, Server, free_port, launch, one_vllm_engine, serving_command
+from tests.conftest import ROOT, Server, free_port, launch, one_vllm_engine, serving_command, starts
 from tests.conftest import test_config as write_test_config  # not collected as a test
 from workloads import TokenIds
 
@@ -25,6 +25,7 @@ LOGLIKELIHOOD = {"prompt": "The cat sat on the mat", "max_tokens": 1, "echo": Tr
 
 
 @pytest.fixture(scope="module")
+@starts("vllm")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One vLLM engine of tiny-s, the classes' real deadlines, no request served yet."""
     work = tmp_path_factory.mktemp("warmup")

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -89,14 +90,22 @@ class _UvicornWithoutSignals(uvicorn.Server):
         yield
 
 
-_TLS_SOCKETS: dict[tuple[Any, Any], socket.socket] = {}
-"""hypercorn's connections' sockets, by (client address, server address), as its scopes name
-them: it hands an app no way to the socket its request came on."""
+_TLS_GRACE_S = 5.0
+"""How long hypercorn lets its connections finish once told to stop."""
+_TLS_CLOSE_S = 1.0
+"""How long a client may take to answer TLS's close_notify when the server stops."""
+
+_TLS_CONNECTIONS: dict[tuple[Any, Any], asyncio.StreamWriter] = {}
+"""hypercorn's connections being served, by (client address, server address), as its scopes
+name them: it hands an app no way to the socket its request came on."""
+_TLS_WRITERS: weakref.WeakSet[asyncio.StreamWriter] = weakref.WeakSet()
+"""hypercorn's connections until they are gone, closing included, for the stop to cut."""
 
 
-def _register_tls_sockets() -> None:
-    """Keep each hypercorn connection's socket in `_TLS_SOCKETS` while the connection lives,
-    for `TlsPath` to read the kernel's measurement of the client's path from."""
+def _register_tls_connections() -> None:
+    """Keep each hypercorn connection in `_TLS_CONNECTIONS` while it is served, for `TlsPath` to
+    read the kernel's measurement of the client's path from its socket, and in `_TLS_WRITERS`
+    until it is gone, for the server's stop to cut (`_cut_tls_connections`)."""
     run = TCPServer.run
     if getattr(run, "registers", False):
         return
@@ -108,14 +117,26 @@ def _register_tls_sockets() -> None:
         except OSError:  # gone before it was served
             await run(self)
             return
-        _TLS_SOCKETS[key] = sock
+        _TLS_CONNECTIONS[key] = self.writer
+        _TLS_WRITERS.add(self.writer)
         try:
             await run(self)
         finally:
-            _TLS_SOCKETS.pop(key, None)
+            _TLS_CONNECTIONS.pop(key, None)
 
     registering.registers = True  # type: ignore[attr-defined]
     TCPServer.run = registering  # type: ignore[method-assign]
+
+
+def _cut_tls_connections() -> None:
+    """Close every TLS connection still open at once, without TLS's closing handshake.
+
+    hypercorn closes a connection with a close_notify and waits for the client's, for as long
+    as asyncio's ssl_shutdown_timeout (30 s; hypercorn sets none): a client that keeps an idle
+    connection and does not answer held the server's exit for 30 s, which then logged a
+    traceback ('SSL shutdown timed out'). Browsers and pooling clients do keep such connections."""
+    for writer in list(_TLS_WRITERS):
+        writer.transport.abort()
 
 
 class TlsPath:
@@ -127,8 +148,8 @@ class TlsPath:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("client") and scope.get("server"):
-            sock = _TLS_SOCKETS.get((tuple(scope["client"]), tuple(scope["server"])))
-            path = tcp_path(sock)
+            writer = _TLS_CONNECTIONS.get((tuple(scope["client"]), tuple(scope["server"])))
+            path = tcp_path(writer.get_extra_info("socket") if writer is not None else None)
             if path is not None:
                 scope.setdefault("extensions", {})[PATH] = path
         await self.app(scope, receive, send)
@@ -298,7 +319,7 @@ class DualServer:
 
     async def _start_tls(self) -> None:
         _tolerate_data_after_the_response()
-        _register_tls_sockets()
+        _register_tls_connections()
         app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
         app = TlsPath(app)
         # Bound here, not by hypercorn, so that port 0 can be read back; hypercorn owns it then.
@@ -313,7 +334,7 @@ class DualServer:
         # one, then fails every request it had queued for that connection: one client's
         # connection would lose requests at 48 req/s after 21 s. uvicorn has no such limit.
         config.keep_alive_max_requests = sys.maxsize
-        config.graceful_timeout = 5
+        config.graceful_timeout = _TLS_GRACE_S
         config.loglevel = self.log_level.upper()
         config.accesslog = logging.getLogger("hypercorn.access") if self.access_log else None
         self._hypercorn_task = asyncio.create_task(
@@ -357,6 +378,12 @@ class DualServer:
                 await self._uvicorn_task
         if self._hypercorn_task is not None:
             self._hypercorn_stop.set()
+            # The drain is over: every request has ended. hypercorn closes each connection with
+            # TLS's close_notify and waits for the client's; a second is enough for a client
+            # that answers, and the rest are cut (before hypercorn's own grace ends: a
+            # connection it has cancelled by then no longer yields to the cut).
+            await asyncio.wait([self._hypercorn_task], timeout=_TLS_CLOSE_S)
+            _cut_tls_connections()
             with contextlib.suppress(Exception):
                 await self._hypercorn_task
         await self._lifespan.shutdown()
