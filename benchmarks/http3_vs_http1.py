@@ -1,162 +1,222 @@
-"""HTTP/3 against HTTP/1.1 on loopback, side by side in alternating rounds.
+"""HTTP/3 against HTTP/1.1 from the same server, on the digital twin, side by side in one run.
 
-Two loads, each at a fixed concurrency, closed loop:
-- `trivial`: an in-process ASGI app that answers a small body (requests/s), and one that streams
-  64 small chunks like SSE tokens (chunks/s): the transports' own cost;
-- `engines` (with --server): streamed chat completions from a running `python -m serving`
-  (tokens/s), HTTP/3 through transport.client, HTTP/1.1 through httpx.
+The server is `python -m serving --deployment paper-4gpu-sim` (twelve simulated replicas on the
+seed-calibrated profile), engines `--time-scale` times the profile's step time: 0.25 is a GPU four
+times faster than the seed's. Open-loop Poisson load from `workloads.replay` at each rate:
 
-HTTP/3 multiplexes every request as a stream on one QUIC connection; HTTP/1.1 uses a pool of
-keep-alive connections, one request at a time each. The client runs in the same process as the
-trivial server (both protocols pay that equally), so absolute numbers are low; read the ratios.
+- over HTTP/1.1 (`--proto h1`, aiohttp's pool, as `vllm bench serve`);
+- over HTTP/3 with each of `--connections` QUIC connections (8 and 64 by default).
 
-    python -m benchmarks.http3_vs_http1 [--server http://localhost:8000 --h3-port 8443]
+Each row reports the SLO attainment, mean reward, output tokens/s, the server's cores (from
+/proc over the load window) and its CPU per output token, the requests that waited in the client
+for stream credit, and the load generators' p99 send lag and core share. A row whose load
+generators could not keep up (`workloads.replay`'s own warnings) is marked: the generator set its
+pace, not the server. `--clients N` splits each row's load over N generator processes on one
+clock (`--start-at`), each with its own seed.
+
+With `--cpus`, the server is pinned to the first CPU given and the generators to the rest.
+
+    python -m benchmarks.http3_vs_http1            # at 0.25: 96 and 192 req/s, h1, h3 x8, h3 x64
+    python -m benchmarks.http3_vs_http1 --time-scale 1 --rates 48 --connections 8
+
+This replaced a closed-loop comparison on an in-process trivial app; the transport's own cost
+without an app is `benchmarks.frontend_capacity`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from experiments.live import ROOT, LiveServer, cpu_seconds, server
+from workloads.metrics import Outcome, summarize
 
-from transport.client import Http3Client
-from transport.http3 import Http3Settings
-from transport.server import DualServer, Listen
-from transport.tls import ensure_certificate
-
-ROOT = Path(__file__).resolve().parent.parent
-CHUNKS = 64
+DEPLOYMENT = "paper-4gpu-sim"
+CONNECT_S = 5.0
+"""Seconds between launching the generators and their shared arrival 0: time to import,
+build the workload and connect (the QUIC handshakes of 64 connections included)."""
 
 
-async def trivial_app(scope: dict, receive: Callable, send: Callable) -> None:
-    if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    if scope["path"] == "/stream":
-        for i in range(CHUNKS):
-            chunk = f'data: {{"token": {i}}}\n\n'.encode()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": b'{"ok": true}'})
+@dataclass(frozen=True)
+class Row:
+    rate: float
+    proto: str
+    connections: int
+
+    @property
+    def label(self) -> str:
+        return "HTTP/1.1" if self.proto == "h1" else f"HTTP/3 x{self.connections}"
 
 
-async def closed_loop(one: Callable[[], Awaitable[int]], concurrency: int, seconds: float) -> float:
-    """Units per second (requests or chunks) over `seconds`, `concurrency` workers."""
-    done = 0
-    stop = time.perf_counter() + seconds
+def generator_command(
+    live: LiveServer, row: Row, rate: float, seed: int, start_at: float, duration: float, out: Path
+) -> list[str]:
+    if row.proto == "h1":
+        target = ["--proto", "h1", "--url", live.url]
+    else:
+        target = ["--proto", "h3", "--url", f"https://127.0.0.1:{live.h3_port}",
+                  "--cacert", str(ROOT / ".certs" / "cert.pem"),
+                  "--connections", str(row.connections)]  # fmt: skip
+    flags = {"--deployment": DEPLOYMENT, "--arrivals": "poisson", "--rate": f"{rate:g}",
+             "--duration": f"{duration:g}", "--seed": str(seed),
+             "--start-at": f"{start_at:.3f}", "--out": str(out)}  # fmt: skip
+    options = [part for flag, value in flags.items() for part in (flag, value)]
+    return [sys.executable, "-m", "workloads.replay", *target, *options, "--no-progress"]
 
-    async def worker() -> None:
-        nonlocal done
-        while time.perf_counter() < stop:
-            done += await one()
 
-    start = time.perf_counter()
-    await asyncio.gather(*[worker() for _ in range(concurrency)])
-    return done / (time.perf_counter() - start)
-
-
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--server", help="a running `python -m serving` (HTTP/1.1 URL)")
-    parser.add_argument("--h3-port", type=int, default=8443)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default=str(ROOT / "results"))
-    args = parser.parse_args()
-    cert, key = ensure_certificate()
-    results: dict[str, dict[str, list[float]]] = {}
-    settings = Http3Settings(str(cert), str(key))
-    server = DualServer(trivial_app, Listen("127.0.0.1", 0, 0), settings, "warning")
-    async with (
-        server,
-        Http3Client("localhost", server.udp_port or 0, verify=str(cert)) as h3,
-        httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{server.tcp_port}",
-            limits=httpx.Limits(max_connections=args.concurrency),
-        ) as h1,
-    ):
-        loads = {
-            "trivial requests/s": (
-                lambda: _h3_get(h3, "/"), lambda: _h1_get(h1, "/")
+def run_row(live: LiveServer, row: Row, args: argparse.Namespace, folder: Path) -> dict:
+    """One rate over one protocol: the generators' requests merged into one summary, and the
+    server's CPU over the load window."""
+    start_at = time.time() + CONNECT_S
+    outs = [
+        folder / f"{row.proto}{row.connections}-r{row.rate:g}-c{i}.json"
+        for i in range(args.clients)
+    ]
+    client_cpus = args.cpus[1:] if args.cpus else None
+    processes = [
+        subprocess.Popen(
+            generator_command(
+                live,
+                row,
+                row.rate / args.clients,
+                args.seed + 1000 * i,
+                start_at,
+                args.duration,
+                out,
             ),
-            "streamed chunks/s": (
-                lambda: _h3_get(h3, "/stream"), lambda: _h1_get(h1, "/stream")
-            ),
-        }  # fmt: skip
-        if args.server:
-            engines_h3 = Http3Client("localhost", args.h3_port, verify=str(cert))
-            await engines_h3.__aenter__()
-            engines_h1 = httpx.AsyncClient(
-                base_url=args.server, limits=httpx.Limits(max_connections=args.concurrency)
-            )
-            body = {
-                "model": "tiny-s",
-                "messages": [{"role": "user", "content": "Hello!"}],
-                "max_tokens": args.max_tokens,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            loads["engine tokens/s"] = (
-                lambda: _h3_chat(engines_h3, body), lambda: _h1_chat(engines_h1, body)
-            )  # fmt: skip
-        for name, (over_h3, over_h1) in loads.items():
-            runs = results.setdefault(name, {"http3": [], "http1.1": []})
-            for round_ in range(args.rounds):
-                order = [("http3", over_h3), ("http1.1", over_h1)]
-                for protocol, one in order if round_ % 2 == 0 else order[::-1]:
-                    rate = await closed_loop(one, args.concurrency, args.seconds)
-                    runs[protocol].append(rate)
-    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    print(f"machine: {machine}")
-    print(f"{args.rounds} rounds x {args.seconds} s, concurrency {args.concurrency}, medians")
-    print(f"{'load':<22}{'HTTP/3':>12}{'HTTP/1.1':>12}{'h3/h1':>8}")
-    summary = {}
-    for name, runs in results.items():
-        h3_rate, h1_rate = statistics.median(runs["http3"]), statistics.median(runs["http1.1"])
-        summary[name] = {"http3": h3_rate, "http1.1": h1_rate, "runs": runs}
-        print(f"{name:<22}{h3_rate:>12.0f}{h1_rate:>12.0f}{h3_rate / h1_rate:>8.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "http3_vs_http1.json").write_text(json.dumps(summary, indent=2))
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None,
+        )
+        for i, out in enumerate(outs)
+    ]
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu0, wall0 = cpu_seconds(live.pid), time.monotonic()
+    # The server's CPU over the arrivals' window only: after it, the last answers drain.
+    time.sleep(args.duration)
+    server_cpu, window = cpu_seconds(live.pid) - cpu0, time.monotonic() - wall0
+    for process, out in zip(processes, outs, strict=True):
+        _, stderr = process.communicate()
+        if not out.exists():
+            raise RuntimeError(f"replay failed ({process.returncode}):\n{stderr[-2000:]}")
+    records = [json.loads(out.read_text()) for out in outs]
+    outcomes = [Outcome(**r) for record in records for r in record["requests"]]
+    duration = max(record["summary"]["duration_s"] for record in records)
+    summary = summarize(outcomes, duration)
+    clients = [record["client"] for record in records]
+    tokens_in_window = summary["output_throughput"] * window
+    return {
+        "rate": row.rate,
+        "protocol": row.label,
+        "sent": summary["sent"],
+        "errored": summary["errored"],
+        "slo_attainment": summary["slo_attainment"],
+        "mean_reward": summary["mean_reward"],
+        "output_tok_s": summary["output_throughput"],
+        "median_ttft_ms": summary["median_ttft_ms"],
+        "server_cores": server_cpu / window,
+        "server_us_per_token": server_cpu / tokens_in_window * 1e6 if tokens_in_window else None,
+        "credit_waited": sum(c["credit_waited"] for c in clients),
+        "client_p99_lag_ms": max(c["p99_lag_ms"] for c in clients),
+        "client_core_share": max(c["cpu_share_of_core"] for c in clients),
+        "client_bound": any(c["warnings"] for c in clients),
+        "client_warnings": [w for c in clients for w in c["warnings"]],
+    }
 
 
-async def _h3_get(client: Http3Client, path: str) -> int:
-    return _units(path, await (await client.request("GET", path)).read())
+def format_rows(rows: list[dict], title: str) -> str:
+    lines = [
+        f"## {title}",
+        "",
+        "| rate | protocol | SLO | reward | output tok/s | median TTFT | server cores | "
+        "server µs/token | waited for credit | client p99 lag | client core |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mark = " (client-bound)" if r["client_bound"] else ""
+        us = "-" if r["server_us_per_token"] is None else f"{r['server_us_per_token']:.0f}"
+        ttft = "-" if r["median_ttft_ms"] is None else f"{r['median_ttft_ms']:.0f} ms"
+        lines.append(
+            f"| {r['rate']:g} req/s | {r['protocol']}{mark} | {r['slo_attainment']:.1%} | "
+            f"{r['mean_reward']:.3f} | {r['output_tok_s']:,.0f} | {ttft} | "
+            f"{r['server_cores']:.2f} | {us} | {r['credit_waited']} | "
+            f"{r['client_p99_lag_ms']:.1f} ms | {r['client_core_share']:.0%} |"
+        )
+    return "\n".join(lines)
 
 
-async def _h1_get(client: httpx.AsyncClient, path: str) -> int:
-    return _units(path, (await client.get(path)).content)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.http3_vs_http1",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--time-scale", type=float, default=0.25, help="the twin's step-time factor")
+    p.add_argument("--rates", default="96,192", help="req/s, comma-separated")
+    p.add_argument("--connections", default="8,64", help="HTTP/3 rows: QUIC connections each")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per row")
+    p.add_argument("--clients", type=int, default=1, help="load-generator processes per row")
+    p.add_argument("--seed", type=int, default=3)
+    p.add_argument(
+        "--cpus",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=None,
+        help="e.g. 0,1: the server on the first, generators on the rest",
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "http3_vs_http1")
+    args = p.parse_args(argv)
+    if args.clients < 1:
+        p.error("--clients must be at least 1")
+    if args.cpus is not None and len(args.cpus) < 2:
+        p.error("--cpus needs one CPU for the server and at least one for the generators")
+    return args
 
 
-def _units(path: str, body: bytes) -> int:
-    """Streamed: the events that arrived; otherwise one request."""
-    return body.count(b"data: ") if path == "/stream" else 1
-
-
-async def _h3_chat(client: Http3Client, body: dict) -> int:
-    response = await client.request(
-        "POST", "/v1/chat/completions", {"content-type": "application/json"},
-        json.dumps(body).encode(),
-    )  # fmt: skip
-    return sum([1 async for line in response.iter_lines() if line.startswith("data: {")])
-
-
-async def _h1_chat(client: httpx.AsyncClient, body: dict) -> int:
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        return sum([1 async for line in response.aiter_lines() if line.startswith("data: {")])
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    layouts = [("h1", 1)] + [("h3", int(c)) for c in args.connections.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    extra = ["--time-scale", f"{args.time_scale:g}"]
+    rows: list[dict] = []
+    with server(
+        DEPLOYMENT,
+        None,
+        args.out / "server.log",
+        extra=extra,
+        cpus=set(args.cpus[:1]) if args.cpus else None,
+    ) as live:
+        for rate in rates:
+            for proto, connections in layouts:
+                row = run_row(live, Row(rate, proto, connections), args, args.out)
+                rows.append(row)
+                print(format_rows([row], "").splitlines()[-1], flush=True)
+    title = (
+        f"{DEPLOYMENT} at --time-scale {args.time_scale:g}, {args.duration:g} s per row, "
+        f"{args.clients} generator process(es) per row"
+    )
+    table = format_rows(rows, title)
+    print("\n" + table)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    (args.out / "table.md").write_text(f"{table}\n\nMachine: {machine}\n")
+    (args.out / "rows.json").write_text(
+        json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine, "rows": rows},
+            indent=1,
+        )
+    )
+    print(f"wrote {args.out / 'table.md'}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    raise SystemExit(main())

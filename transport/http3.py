@@ -220,7 +220,8 @@ class _Http3Protocol(CoalescingProtocol):
         self.lanes: dict[int, SenderLane | DatagramTap] = {}
         """Who takes each stream's datagrams: Eloquent senders, which outlive their request until
         everything is acknowledged, and taps that apps forward through."""
-        self.blocked_writers: set[_RequestStream] = set()
+        self.blocked_writers: dict[int, _RequestStream] = {}
+        """Writers waiting for ACKs, by stream: woken by their own stream's ACKs only."""
         self._next_request_id = 0
         """The lowest client bidirectional stream id not yet seen: what GOAWAY would carry."""
         self._goaway_id: int | None = None
@@ -228,6 +229,7 @@ class _Http3Protocol(CoalescingProtocol):
         # aioquic sends MAX_STREAMS only once `value` outgrows what it believes it has sent.
         limit = quic._local_max_streams_bidi
         limit.value = limit.sent = self._settings.max_streams
+        quic.watch_acks()
 
     @property
     def quic(self) -> ScheduledQuicConnection:
@@ -265,9 +267,13 @@ class _Http3Protocol(CoalescingProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        # ACKs may have drained response buffers: wake the writers waiting on them.
-        for request in list(self.blocked_writers):
-            request.wake_writer()
+        # ACKs may have drained response buffers: wake the writers waiting on them. Only those
+        # of the streams acknowledged: waking every waiting writer on every datagram cost a task
+        # switch per open response per ACK (a sixth of the server's CPU at 96 req/s).
+        for stream_id in self.quic.take_acked():
+            request = self.blocked_writers.get(stream_id)
+            if request is not None:
+                request.wake_writer()
 
     def _h3_event_received(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
@@ -524,11 +530,11 @@ class _RequestStream:
     async def _acks(self) -> None:
         """Waits until ACKs drain this stream's buffer, or the client leaves."""
         self._drained.clear()
-        self.protocol.blocked_writers.add(self)
+        self.protocol.blocked_writers[self.stream_id] = self
         try:
             await self._drained.wait()
         finally:
-            self.protocol.blocked_writers.discard(self)
+            self.protocol.blocked_writers.pop(self.stream_id, None)
 
     def _send_headers(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True

@@ -1,0 +1,79 @@
+"""Building a packet costs what is sent, not what is open: a connection with a thousand open
+streams, most of them idle, finds the few with data, and offers flow-control credit, without
+walking the idle ones. Counted in visits, not timed: real aioquic connections in virtual time
+(netsim.simlink). (The scheduler itself still holds every open stream: `skipped` counts the
+idle ones it pops on the way, which this does not bound yet.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import QuicEvent, StreamDataReceived
+
+from netsim.link import LinkConfig
+from netsim.simlink import SimulatedPath
+from transport.connection import ScheduledQuicConnection, _StreamTable
+from transport.schedulers import SCHEDULERS
+from transport.tls import ensure_certificate
+
+OPEN = 1000
+BUSY = (40, 2000, 3996)  # stream ids among the thousand: the first, one in the middle, the last
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return ensure_certificate(tmp_path_factory.mktemp("certs"), deterministic=True)
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_a_thousand_idle_streams_are_not_visited_to_send_three(
+    scheduler: str, certificate: tuple[Path, Path]
+) -> None:
+    client_config = QuicConfiguration(is_client=True, alpn_protocols=["test"])
+    client_config.verify_mode = 0
+    client = ScheduledQuicConnection(configuration=client_config, scheduler="fcfs")
+    server_config = QuicConfiguration(is_client=False, alpn_protocols=["test"])
+    server_config.load_cert_chain(*map(str, certificate))
+    server = ScheduledQuicConnection(
+        configuration=server_config,
+        original_destination_connection_id=client.original_destination_connection_id,
+        scheduler=scheduler,
+    )
+    limit = server._local_max_streams_bidi  # as transport.http3 raises it
+    limit.value = limit.sent = 2 * OPEN
+    requests: set[int] = set()
+    received: dict[int, int] = {}
+
+    def on_event(connection: QuicConnection, event: QuicEvent, now: float) -> None:
+        if not isinstance(event, StreamDataReceived):
+            return
+        if connection is server and event.end_stream:
+            requests.add(event.stream_id)
+        elif connection is client:
+            received[event.stream_id] = received.get(event.stream_id, 0) + len(event.data)
+
+    path = SimulatedPath(client, server, LinkConfig(rate_bps=50e6, delay_s=0.005), on_event)
+    path.run(until=lambda: client._handshake_complete)
+    for _ in range(OPEN):
+        client.send_stream_data(client.get_next_available_stream_id(), b"request", True)
+    table = server._streams
+    assert isinstance(table, _StreamTable)
+    # Every request read, and the credit for them settled; no response has begun: a thousand
+    # idle streams.
+    path.run(until=lambda: len(requests) == OPEN and not table.credit)
+    assert len(table) == OPEN
+    scanned, offers = server.scanned, table.visits
+
+    for stream_id in BUSY:
+        server.send_stream_data(stream_id, b"x" * 3000)
+    path.run(until=lambda: all(received.get(s, 0) == 3000 for s in BUSY))
+
+    assert set(received) == set(BUSY)
+    # Streams looked at for what to send, and streams offered flow-control credit: a handful
+    # for the three, where walking the open streams before every packet was thousands.
+    assert server.scanned - scanned <= 10 * len(BUSY), server.scanned - scanned
+    assert table.visits - offers <= 10 * len(BUSY), table.visits - offers
+    assert len(table) == OPEN  # all still open
