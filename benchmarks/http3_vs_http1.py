@@ -8,8 +8,11 @@ times faster than the seed's. Open-loop Poisson load from `workloads.replay` at 
 - over HTTP/3 with each of `--connections` QUIC connections (8 and 64 by default).
 
 Each row reports the SLO attainment, mean reward, output tokens/s, the server's cores (from
-/proc over the load window) and its CPU per output token, the requests that waited in the client
-for stream credit, and the load generators' p99 send lag and core share. A row whose load
+/proc over the arrivals' window) and its CPU per output token (that CPU over the tokens the run's
+mean output rate puts in the window: exact when the server keeps up; where it falls behind, the
+rate is averaged over the drain too, and the server is at a full core throughout), the
+requests that waited in the client for stream credit, and the load generators' p99 send lag and
+core share. A row whose load
 generators could not keep up (`workloads.replay`'s own warnings) is marked: the generator set its
 pace, not the server. `--clients N` splits each row's load over N generator processes on one
 clock (`--start-at`), each with its own seed.

@@ -84,23 +84,13 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
     }
 
 
-MARKERS = {
-    "vllm": "starts real vLLM engines (30-90 s each on 2 cores)",
-    "twin": "starts servers with simulated engines only (seconds)",
-    "netns": "makes network namespaces and TUN links: needs root",
-    "browser": "drives a real browser (Debian's chromium)",
-}
-"""The test tiers, registered in pyproject.toml; `make test-fast` runs every test that has
-none of vllm, netns and browser."""
-
 F = TypeVar("F", bound=Callable[..., object])
 
 
 def starts(*markers: str) -> Callable[[F], F]:
-    """Declares what a fixture starts (`MARKERS`): every test that uses it, however
-    indirectly, gets those markers at collection. Put it under `@pytest.fixture`."""
-    unknown = set(markers) - set(MARKERS)
-    assert not unknown, f"unknown markers {unknown}"
+    """Declares what a fixture starts, as the tiers' markers of pyproject.toml: every test that
+    uses it, however indirectly, gets those markers at collection. Put it under
+    `@pytest.fixture`."""
 
     def declare(fixture: F) -> F:
         fixture._starts = markers  # type: ignore[attr-defined]  # read at collection
@@ -114,10 +104,12 @@ _NEEDED = pytest.StashKey[list[str]]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers given here
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    registered = {line.split(":")[0] for line in config.getini("markers")}
     for item in items:
         for definition in _fixtures(item):
             for marker in getattr(definition.func, "_starts", ()):
+                assert marker in registered, f"{marker}: not a marker of pyproject.toml"
                 item.add_marker(marker)
 
 
@@ -518,9 +510,9 @@ def frontend(server: Server, session_dir: Path) -> Iterator[Server]:
     edge.stop()
 
 
-def quic_pair() -> tuple[ScheduledQuicConnection, ScheduledQuicConnection]:
-    """A client and a server connection (sans IO, FCFS, the server's HTTP/3 settings), for
-    tests that carry their datagrams themselves."""
+def quic_pair(scheduler: str = "fcfs") -> tuple[ScheduledQuicConnection, ScheduledQuicConnection]:
+    """A client (FCFS) and a server connection (sans IO, `scheduler`, the server's HTTP/3
+    settings), for tests that carry their datagrams themselves."""
     config = QuicConfiguration(is_client=True, alpn_protocols=["h3"])
     config.verify_mode = 0
     client = ScheduledQuicConnection(configuration=config, scheduler="fcfs")
@@ -528,6 +520,6 @@ def quic_pair() -> tuple[ScheduledQuicConnection, ScheduledQuicConnection]:
     server = ScheduledQuicConnection(
         configuration=Http3Settings(str(cert), str(key)).quic_configuration(),
         original_destination_connection_id=client.original_destination_connection_id,
-        scheduler="fcfs",
+        scheduler=scheduler,
     )
     return client, server

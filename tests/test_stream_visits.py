@@ -6,42 +6,23 @@ idle ones it pops on the way, which this does not bound yet.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 
 from netsim.link import LinkConfig
 from netsim.simlink import SimulatedPath
-from transport.connection import ScheduledQuicConnection, _StreamTable
+from tests.conftest import quic_pair
+from transport.connection import _StreamTable
 from transport.schedulers import SCHEDULERS
-from transport.tls import ensure_certificate
 
 OPEN = 1000
 BUSY = (40, 2000, 3996)  # stream ids among the thousand: the first, one in the middle, the last
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return ensure_certificate(tmp_path_factory.mktemp("certs"), deterministic=True)
-
-
 @pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
-def test_a_thousand_idle_streams_are_not_visited_to_send_three(
-    scheduler: str, certificate: tuple[Path, Path]
-) -> None:
-    client_config = QuicConfiguration(is_client=True, alpn_protocols=["test"])
-    client_config.verify_mode = 0
-    client = ScheduledQuicConnection(configuration=client_config, scheduler="fcfs")
-    server_config = QuicConfiguration(is_client=False, alpn_protocols=["test"])
-    server_config.load_cert_chain(*map(str, certificate))
-    server = ScheduledQuicConnection(
-        configuration=server_config,
-        original_destination_connection_id=client.original_destination_connection_id,
-        scheduler=scheduler,
-    )
+def test_a_thousand_idle_streams_are_not_visited_to_send_three(scheduler: str) -> None:
+    client, server = quic_pair(scheduler)
     limit = server._local_max_streams_bidi  # as transport.http3 raises it
     limit.value = limit.sent = 2 * OPEN
     requests: set[int] = set()

@@ -21,7 +21,6 @@ import signal
 import socket
 import sys
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,16 +95,15 @@ _TLS_CLOSE_S = 1.0
 """How long a client may take to answer TLS's close_notify when the server stops."""
 
 _TLS_CONNECTIONS: dict[tuple[Any, Any], asyncio.StreamWriter] = {}
-"""hypercorn's connections being served, by (client address, server address), as its scopes
-name them: it hands an app no way to the socket its request came on."""
-_TLS_WRITERS: weakref.WeakSet[asyncio.StreamWriter] = weakref.WeakSet()
-"""hypercorn's connections until they are gone, closing included, for the stop to cut."""
+"""hypercorn's connections, by (client address, server address) as its scopes name them, until
+they are closed (its `run` awaits the close, TLS's close_notify included): for `TlsPath`, since
+hypercorn hands an app no way to the socket its request came on, and for the stop to cut."""
 
 
 def _register_tls_connections() -> None:
-    """Keep each hypercorn connection in `_TLS_CONNECTIONS` while it is served, for `TlsPath` to
-    read the kernel's measurement of the client's path from its socket, and in `_TLS_WRITERS`
-    until it is gone, for the server's stop to cut (`_cut_tls_connections`)."""
+    """Keep each hypercorn connection in `_TLS_CONNECTIONS` until it is closed, for `TlsPath` to
+    read the kernel's measurement of the client's path from its socket, and for the server's
+    stop to cut (`_cut_tls_connections`)."""
     run = TCPServer.run
     if getattr(run, "registers", False):
         return
@@ -118,7 +116,6 @@ def _register_tls_connections() -> None:
             await run(self)
             return
         _TLS_CONNECTIONS[key] = self.writer
-        _TLS_WRITERS.add(self.writer)
         try:
             await run(self)
         finally:
@@ -135,7 +132,7 @@ def _cut_tls_connections() -> None:
     as asyncio's ssl_shutdown_timeout (30 s; hypercorn sets none): a client that keeps an idle
     connection and does not answer held the server's exit for 30 s, which then logged a
     traceback ('SSL shutdown timed out'). Browsers and pooling clients do keep such connections."""
-    for writer in list(_TLS_WRITERS):
+    for writer in list(_TLS_CONNECTIONS.values()):
         writer.transport.abort()
 
 
