@@ -170,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=1, help="load-generator processes per row")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument(
+        "--flush-ms", type=float, help="the server's --flush-ms (default: the server's own)"
+    )
+    p.add_argument(
         "--cpus",
         type=lambda s: [int(c) for c in s.split(",")],
         default=None,
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [("h1", 1)] + [("h3", int(c)) for c in args.connections.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--time-scale", f"{args.time_scale:g}"]
+    if args.flush_ms is not None:
+        extra += ["--flush-ms", f"{args.flush_ms:g}"]
     rows: list[dict] = []
     with server(
         DEPLOYMENT,
@@ -203,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_row(live, Row(rate, proto, connections), args, args.out)
                 rows.append(row)
                 print(format_rows([row], "").splitlines()[-1], flush=True)
+    flush = "" if args.flush_ms is None else f", server --flush-ms {args.flush_ms:g}"
     title = (
         f"{DEPLOYMENT} at --time-scale {args.time_scale:g}, {args.duration:g} s per row, "
-        f"{args.clients} generator process(es) per row"
+        f"{args.clients} generator process(es) per row{flush}"
     )
     table = format_rows(rows, title)
     print("\n" + table)

@@ -658,3 +658,77 @@ def test_pifo_and_abs_follow_the_obvious_order_through_every_path() -> None:
             expected.append(stream_id)
         for s in schedulers:
             assert pop_all(s) == expected
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_parking_idle_streams_serves_the_same_order_as_skipping_them(name: str) -> None:
+    # The connection parks a stream with nothing to send instead of popping it and giving it
+    # back with 0 bytes sent in every packet. Against a twin that keeps every stream queued and
+    # skips the idle ones, the streams served, packet by packet, and those expired must be the
+    # same, through adds, removes, re-tags (parked ones too), deadlines passing while parked and
+    # streams running out of bytes after sending.
+    for seed in range(6):
+        rng = random.Random(seed)
+        parking, skipping = make_scheduler(name), make_scheduler(name)
+        ready: dict[int, bool] = {}
+        next_id, now = 0, 0.0
+
+        def spec(rng: random.Random, now: float) -> StreamSpec:
+            return StreamSpec(
+                priority=rng.randint(1, 10),
+                deadline=rng.choice([None, now + rng.uniform(0.0, 0.5)]),
+                high=rng.random() < 0.5,
+                soft=rng.random() < 0.5,
+            )
+
+        for _ in range(800):
+            op = rng.random()
+            if op < 0.15 or not ready:
+                tag = spec(rng, now)
+                parking.add(next_id, tag)
+                skipping.add(next_id, tag)
+                ready[next_id] = rng.random() < 0.3
+                if not ready[next_id]:
+                    parking.park(next_id)
+                next_id += 4
+            elif op < 0.22:
+                stream_id = rng.choice(sorted(ready))
+                parking.remove(stream_id)
+                skipping.remove(stream_id)
+                del ready[stream_id]
+            elif op < 0.32:
+                stream_id = rng.choice(sorted(ready))
+                tag = spec(rng, now)
+                parking.update(stream_id, tag)
+                skipping.update(stream_id, tag)
+            elif op < 0.55:
+                stream_id = rng.choice(sorted(ready))
+                ready[stream_id] = not ready[stream_id]
+                (parking.unpark if ready[stream_id] else parking.park)(stream_id)
+            else:  # one packet
+                now += rng.uniform(0.0, 0.05)
+                gone = parking.expired(now)
+                assert gone == skipping.expired(now)
+                for stream_id in gone:
+                    del ready[stream_id]
+                room = rng.randint(1, 4)
+                served, popped = [], []
+                while len(served) < room and (stream_id := skipping.pop(now)) is not None:
+                    popped.append(stream_id)
+                    if ready[stream_id]:
+                        served.append(stream_id)
+                assert [parking.pop(now) for _ in served] == served
+                if len(served) < room:
+                    assert parking.pop(now) is None
+                sent = {stream_id: rng.choice([0, 600, 1200]) for stream_id in served}
+                for stream_id in popped:
+                    skipping.requeue(stream_id, sent.get(stream_id, 0), now)
+                for stream_id in served:
+                    parking.requeue(stream_id, sent[stream_id], now)
+                    if sent[stream_id] and rng.random() < 0.5:  # its last bytes went out
+                        ready[stream_id] = False
+                        parking.park(stream_id)
+            assert len(parking) == len(skipping) == len(ready)
+        for stream_id in ready:
+            parking.unpark(stream_id)
+        assert pop_all(parking, now) == pop_all(skipping, now)

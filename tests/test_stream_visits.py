@@ -1,8 +1,7 @@
 """Building a packet costs what is sent, not what is open: a connection with a thousand open
 streams, most of them idle, finds the few with data, and offers flow-control credit, without
-walking the idle ones. Counted in visits, not timed: real aioquic connections in virtual time
-(netsim.simlink). (The scheduler itself still holds every open stream: `skipped` counts the
-idle ones it pops on the way, which this does not bound yet.)"""
+walking the idle ones, and without its scheduler popping them. Counted in visits, not timed:
+real aioquic connections in virtual time (netsim.simlink)."""
 
 from __future__ import annotations
 
@@ -47,6 +46,15 @@ def test_a_thousand_idle_streams_are_not_visited_to_send_three(scheduler: str) -
     path.run(until=lambda: len(requests) == OPEN and not table.credit)
     assert len(table) == OPEN
     scanned, offers = server.scanned, table.visits
+    pops = 0
+    pop = server.scheduler.pop
+
+    def counted_pop(now: float) -> int | None:
+        nonlocal pops
+        pops += 1
+        return pop(now)
+
+    server.scheduler.pop = counted_pop  # type: ignore[method-assign]
 
     for stream_id in BUSY:
         server.send_stream_data(stream_id, b"x" * 3000)
@@ -57,4 +65,7 @@ def test_a_thousand_idle_streams_are_not_visited_to_send_three(scheduler: str) -
     # for the three, where walking the open streams before every packet was thousands.
     assert server.scanned - scanned <= 10 * len(BUSY), server.scanned - scanned
     assert table.visits - offers <= 10 * len(BUSY), table.visits - offers
+    # The scheduler pops the three, not the idle streams ahead of them in its order (FCFS: all
+    # the thousand before the last, every packet).
+    assert pops <= 10 * len(BUSY) and server.skipped == 0, (pops, server.skipped)
     assert len(table) == OPEN  # all still open

@@ -54,6 +54,13 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--flush-ms",
+        type=float,
+        default=Http3Settings.flush_interval * 1000,
+        help="HTTP/3: milliseconds a busy connection gathers response bytes before its next "
+        "packets; 0 sends after every event-loop pass (default: %(default)s)",
+    )
+    parser.add_argument(
         "--drain-s",
         type=float,
         default=Listen.drain_s,
@@ -72,6 +79,7 @@ class ServerSetup:
     scheduler: str
     max_streams: int = Http3Settings.max_streams
     congestion_control: str = Http3Settings.congestion_control
+    flush_interval: float = Http3Settings.flush_interval
 
     def http3(self, tag: Tagger, **settings: int) -> Http3Settings:
         settings.setdefault("max_streams", self.max_streams)
@@ -81,6 +89,7 @@ class ServerSetup:
             scheduler=self.scheduler,
             tag=tag,
             congestion_control=self.congestion_control,
+            flush_interval=self.flush_interval,
             **settings,
         )
 
@@ -99,6 +108,8 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         parser.exit(2, "error: --cert and --key go together\n")
     if args.max_streams < 1:
         parser.exit(2, "error: --max-streams must be at least 1\n")
+    if not 0 <= args.flush_ms <= 100:
+        parser.exit(2, "error: --flush-ms must be between 0 and 100\n")
     if not args.drain_s >= 0:
         parser.exit(2, "error: --drain-s must be at least 0\n")
     for kind, port in (("tcp", args.port), ("udp", args.h3_port)):
@@ -114,6 +125,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         args.scheduler,
         args.max_streams,
         args.congestion_control,
+        args.flush_ms / 1000,
     )
 
 

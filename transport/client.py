@@ -116,6 +116,7 @@ _ENDED_LANES = 32
 class _ClientProtocol(CoalescingProtocol):
     def __init__(self, quic: Any, scheduler: str = "rr", **kwargs: Any) -> None:
         super().__init__(adopt(quic, scheduler), **kwargs)
+        self.quic.ack_every = 2
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.pending: dict[int, _Pending] = {}
         self.closed: StreamError | None = None

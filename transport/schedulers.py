@@ -10,6 +10,13 @@ documents (round-robin rotates the streams that sent, EDF demotes or drops the l
 Popping everything and requeueing everything with `sent=0` leaves the order unchanged in every
 policy.
 
+A stream with nothing to send is `park`ed: it leaves the queue, so `pop` never hands it out, but
+it keeps everything its place depends on (its arrival, its round-robin position, its rank, its
+deadline, which still expires). `unpark` puts it back exactly where it would be had it stayed
+queued and been popped and given back with nothing sent in every packet meanwhile. A connection
+with a thousand open streams and three with bytes therefore pops three streams a packet, not the
+idle ones ahead of them in the order.
+
 Streams are plain ints (QUIC stream ids) tagged with a `StreamSpec`. The server learns a
 request's class only after its headers arrive, so `update` re-tags a stream in place.
 
@@ -274,6 +281,10 @@ class Scheduler(ABC):
         self._specs: dict[int, StreamSpec] = {}
         self._seq: dict[int, int] = {}  # arrival order, from add(); update() keeps it
         self._popped: set[int] = set()
+        self._parked: set[int] = set()
+        # The parked streams whose deadline drops them (`_drops`), by (deadline, arrival): the
+        # queue no longer sees them, so expiry looks here.
+        self._parked_deadlines = _LazyHeap()
         self._arrivals = itertools.count()
 
     # -- the interface ----------------------------------------------------------------------
@@ -293,6 +304,15 @@ class Scheduler(ABC):
         """
         if stream_id not in self._specs:
             raise KeyError(stream_id)
+        if stream_id in self._parked:
+            # In and out of the queue under the new spec, as a queued stream is re-tagged, so
+            # that what a class change does happens now (ml's low class puts it at its tail).
+            self._specs[stream_id] = spec
+            self._insert(stream_id)
+            self._delete(stream_id)
+            self._parked_deadlines.discard(stream_id)
+            self._watch_parked(stream_id)
+            return
         queued = stream_id not in self._popped
         if queued:
             self._delete(stream_id)
@@ -306,9 +326,38 @@ class Scheduler(ABC):
             return
         if stream_id in self._popped:
             self._popped.discard(stream_id)
+        elif stream_id in self._parked:
+            self._parked.discard(stream_id)
+            self._parked_deadlines.discard(stream_id)
         else:
             self._delete(stream_id)
         self._drop(stream_id)
+
+    def park(self, stream_id: int) -> None:
+        """The queued stream has nothing to send: out of the queue until `unpark`, keeping its
+        place. A stream not held, or already parked, is a no-op; a popped one is a ValueError
+        (give it back with `requeue` first)."""
+        if stream_id not in self._specs or stream_id in self._parked:
+            return
+        if stream_id in self._popped:
+            raise ValueError(f"stream {stream_id} is popped: requeue it before parking it")
+        self._delete(stream_id)
+        self._parked.add(stream_id)
+        self._watch_parked(stream_id)
+
+    def unpark(self, stream_id: int) -> None:
+        """The parked stream has bytes again: back in the queue at its place. A stream that is
+        not parked is a no-op."""
+        if stream_id not in self._parked:
+            return
+        self._parked.discard(stream_id)
+        self._parked_deadlines.discard(stream_id)
+        self._insert(stream_id)
+
+    def _watch_parked(self, stream_id: int) -> None:
+        spec = self._specs[stream_id]
+        if spec.deadline is not None and self._drops(spec):
+            self._parked_deadlines.push(stream_id, (spec.deadline, self._seq[stream_id]))
 
     def pop(self, now: float) -> int | None:
         """The next stream to offer room in the packet being built, or None when none is queued.
@@ -344,6 +393,11 @@ class Scheduler(ABC):
         high class) return any; popped streams count too.
         """
         gone = self._take_expired(now)
+        parked = self._parked_deadlines
+        while (top := parked.peek()) is not None and top[0][0] <= now:
+            gone.append(top[1])
+            parked.pop()
+            self._parked.discard(top[1])
         for stream_id in self._popped:
             spec = self._specs[stream_id]
             if self._drops(spec) and spec.deadline is not None and spec.deadline <= now:
@@ -370,10 +424,13 @@ class Scheduler(ABC):
         queued = self._next_queued_deadline()
         if queued is not None:
             deadlines.append(queued)
+        parked = self._parked_deadlines.peek()
+        if parked is not None:
+            deadlines.append(parked[0][0])
         return min(deadlines, default=None)
 
     def __len__(self) -> int:
-        """Streams held: queued plus popped and not yet given back."""
+        """Streams held: queued, parked, and popped and not yet given back."""
         return len(self._specs)
 
     def __contains__(self, stream_id: object) -> bool:
@@ -386,11 +443,12 @@ class Scheduler(ABC):
 
     @abstractmethod
     def _insert(self, stream_id: int) -> None:
-        """Put a held stream that is not queued into the queue, by its current spec."""
+        """Put a held stream that is not queued into the queue, by its current spec (and, for a
+        stream that was queued before, at the place its state keeps)."""
 
     @abstractmethod
     def _delete(self, stream_id: int) -> None:
-        """Take a queued stream out of the queue."""
+        """Take a queued stream out of the queue, keeping its place (a round-robin position)."""
 
     @abstractmethod
     def _pop_next(self, now: float) -> int | None:
@@ -525,8 +583,9 @@ class _RankScheduler(Scheduler):
     - look up the spec and the arrival order to build a key (`_specs`, `_seq`): the rank is
       built once and kept; abs and pifo read nothing else of the spec;
     - keep a set of popped streams (`_popped`: an add on every pop, a remove on every
-      requeue): a held stream is popped exactly when its rank is not in `_queued`, which the
-      queue keeps anyway, so requeue and remove ask `_queued`;
+      requeue): a held stream is popped exactly when its rank is not in `_queued` and it is not
+      parked (`_parked`, which changes only when a stream runs out of bytes or gets more), so
+      requeue and remove ask those two;
     - call hooks that do nothing here (`_requeued`, `_forget`).
     Neither policy drops streams, so `expired` and `next_deadline` have nothing to look at.
     Both policies run this same code; only the queue differs: `pop`, `_enqueue` and `_unqueue`,
@@ -561,6 +620,21 @@ class _RankScheduler(Scheduler):
         entry = self._rank.pop(stream_id, None)
         if entry is not None and entry in self._queued:
             self._unqueue(stream_id, entry)
+        self._parked.discard(stream_id)
+
+    def park(self, stream_id: int) -> None:
+        entry = self._rank.get(stream_id)
+        if entry is None or stream_id in self._parked:
+            return
+        if entry not in self._queued:
+            raise ValueError(f"stream {stream_id} is popped: requeue it before parking it")
+        self._unqueue(stream_id, entry)
+        self._parked.add(stream_id)
+
+    def unpark(self, stream_id: int) -> None:
+        if stream_id in self._parked:
+            self._parked.discard(stream_id)
+            self._enqueue(stream_id, self._rank[stream_id])
 
     @abstractmethod
     def pop(self, now: float) -> int | None:
@@ -573,13 +647,13 @@ class _RankScheduler(Scheduler):
         entry = self._rank.get(stream_id)
         if entry is None:
             return  # not held: a no-op
-        if entry in self._queued or sent < 0:
+        if entry in self._queued or sent < 0 or stream_id in self._parked:
             self._refuse(stream_id, sent)
         """
 
     def _refuse(self, stream_id: int, sent: int) -> None:
         """Why a requeue of a held stream is refused."""
-        if self._rank[stream_id] in self._queued:
+        if self._rank[stream_id] in self._queued or stream_id in self._parked:
             raise ValueError(f"stream {stream_id} was not popped")
         raise ValueError(f"sent must be >= 0, got {sent}")
 
@@ -642,7 +716,7 @@ class AbsScheduler(_RankScheduler):
         if entry is None:
             return
         queued = self._queued
-        if entry in queued or sent < 0:
+        if entry in queued or sent < 0 or stream_id in self._parked:
             self._refuse(stream_id, sent)
         queued[entry] = stream_id
         insort(self._queue, entry)
@@ -711,7 +785,7 @@ class PifoScheduler(_RankScheduler):
         if entry is None:
             return
         queued = self._queued
-        if entry in queued or sent < 0:
+        if entry in queued or sent < 0 or stream_id in self._parked:
             self._refuse(stream_id, sent)
         queued[entry] = stream_id
         heap = self._entries
