@@ -579,11 +579,11 @@ class _RequestStream:
         self.protocol.transmit_soon()
 
     def flush(self) -> None:
-        """Put the queued body onto the stream as one DATA frame (none for a bare end)."""
+        """Put the queued body onto the stream as one DATA frame."""
         if self._disconnected:
             return
-        data = b"".join(self._unsent) if len(self._unsent) != 1 else self._unsent[0]
-        end, self._unsent, self._unsent_bytes = self._unsent_end, [], 0
+        data, end = b"".join(self._unsent), self._unsent_end
+        self._unsent, self._unsent_bytes = [], 0
         try:
             self.protocol.h3.send_data(self.stream_id, data, end)
         except (ValueError, AssertionError, RuntimeError, H3Error):  # reset under us
