@@ -88,11 +88,12 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived
 from tqdm import tqdm
 
-from transport.connection import CoalescingProtocol, udp_transport, widen_receive_buffer
+from transport.connection import CoalescingProtocol, udp_transport
 from transport.masque import AllowList
 from transport.masque.proxy import MasqueProxy
 from transport.masque.tunnel import UdpTunnel
 from transport.tls import ensure_certificate
+from transport.udp import widen_receive_buffer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from aioquic.asyncio import connect
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
@@ -31,8 +30,7 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
-    udp_transport,
-    widen_receive_buffer,
+    connect_quic,
 )
 from transport.eloquent import HEADER as ELOQUENT_HEADER
 from transport.eloquent import EloquentReceiver, ReceiverLane
@@ -292,15 +290,11 @@ class Http3Client:
         def create_protocol(connection: Any, **kwargs: Any) -> _ClientProtocol:
             return _ClientProtocol(connection, scheduler=self._scheduler, **kwargs)
 
-        self._context = connect(
-            self.host,
-            self.port,
-            configuration=self._configuration,
+        self._context = connect_quic(
+            self.host, self.port, configuration=self._configuration,
             create_protocol=create_protocol,
-            wait_connected=True,
-        )
-        self._protocol = await self._context.__aenter__()
-        widen_receive_buffer(udp_transport(self._protocol).get_extra_info("socket"))
+        )  # fmt: skip
+        self._protocol = cast(_ClientProtocol, await self._context.__aenter__())
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -32,6 +32,7 @@ from aioquic import tls
 from aioquic.asyncio import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import ErrorCode
+from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import (
     QuicConnection,
     QuicConnectionState,
@@ -45,6 +46,7 @@ from aioquic.quic.stream import QuicStream, QuicStreamReceiver, QuicStreamSender
 
 from config.paths import PathEstimate
 from transport.schedulers import DEFAULT_SPEC, Scheduler, StreamSpec, make_scheduler
+from transport.udp import BatchedDatagramTransport, open_udp, send_all, widen_receive_buffer
 
 EXPIRED_ERROR = ErrorCode.H3_REQUEST_CANCELLED
 """The HTTP/3 error code of a stream dropped at its deadline (RFC 9114 8.1: the request was
@@ -719,8 +721,14 @@ class CoalescingProtocol(QuicConnectionProtocol):
         self.transmit()
 
     def transmit(self) -> None:
-        self._last_transmit = self._loop.time()
-        super().transmit()
+        # aioquic's transmit, with the datagrams handed over in one call, so that a transport of
+        # ours sends a run to one peer in one syscall (`transport.udp`).
+        self._transmit_task = None
+        self._last_transmit = now = self._loop.time()
+        datagrams = self._quic.datagrams_to_send(now=now)
+        if datagrams:
+            send_all(udp_transport(self), datagrams)
+        self._arm_timer()
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         # aioquic's own transmits after every datagram. Most of them are the peer's ACKs of
@@ -736,7 +744,7 @@ class CoalescingProtocol(QuicConnectionProtocol):
             self._arm_timer()  # the ACK moved the loss-detection timer
 
     def _arm_timer(self) -> None:
-        """What aioquic's transmit() does after sending: set the timer to the connection's."""
+        """Set the timer to the connection's, as aioquic's transmit() does after sending."""
         timer_at = self._quic.get_timer()
         if self._timer is not None and self._timer_at != timer_at:
             self._timer.cancel()
@@ -744,12 +752,6 @@ class CoalescingProtocol(QuicConnectionProtocol):
         if self._timer is None and timer_at is not None:
             self._timer = self._loop.call_at(timer_at, self._handle_timer)
         self._timer_at = timer_at
-
-
-UDP_RECEIVE_BUFFER = 4 * 2**20
-"""Bytes. Linux's default (208 KiB) overflows in bursts at a few hundred packets in flight:
-every datagram dropped there is a QUIC loss, recovered only after a probe timeout. QUIC stacks
-ask for more (quic-go: 7 MiB); the kernel caps the request at net.core.rmem_max."""
 
 
 def udp_transport(endpoint: QuicConnectionProtocol | QuicServer) -> asyncio.DatagramTransport:
@@ -760,7 +762,42 @@ def udp_transport(endpoint: QuicConnectionProtocol | QuicServer) -> asyncio.Data
     return transport
 
 
-def widen_receive_buffer(sock: socket.socket | None) -> None:
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)
+async def serve_quic(host: str, port: int, **server_options: Any) -> QuicServer:
+    """aioquic's `serve` on a `transport.udp` transport: aioquic's takes no transport of ours.
+    `server_options` are QuicServer's."""
+    server = QuicServer(**server_options)
+    await open_udp(server, host, port)
+    return server
+
+
+@contextlib.asynccontextmanager
+async def connect_quic(
+    host: str,
+    port: int,
+    *,
+    configuration: QuicConfiguration,
+    create_protocol: Callable[..., QuicConnectionProtocol],
+) -> AsyncIterator[QuicConnectionProtocol]:
+    """aioquic's `connect` (waiting for the handshake) on a `transport.udp` transport. The socket
+    is bound in the server address's own family, where aioquic's binds a dual-stack one."""
+    loop = asyncio.get_running_loop()
+    family, _, _, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM))[0]
+    if configuration.server_name is None:
+        configuration.server_name = host
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+    except OSError:
+        sock.close()
+        raise
+    widen_receive_buffer(sock)
+    protocol = create_protocol(QuicConnection(configuration=configuration))
+    transport = BatchedDatagramTransport(loop, sock, protocol)
+    try:
+        protocol.connect(address)
+        await protocol.wait_connected()
+        yield protocol
+    finally:
+        protocol.close()
+        await protocol.wait_closed()
+        transport.close()

@@ -37,7 +37,6 @@ from functools import partial
 from typing import Any, cast
 from urllib.parse import unquote
 
-from aioquic.asyncio import serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, encode_frame
@@ -57,8 +56,8 @@ from transport.connection import (
     ScheduledQuicConnection,
     StreamExpired,
     adopt,
+    serve_quic,
     udp_transport,
-    widen_receive_buffer,
 )
 from transport.drain import Drain
 from transport.eloquent import DATAGRAM_ALLOWANCE, EloquentSender, SenderLane
@@ -67,6 +66,7 @@ from transport.eloquent.driver import datagram_sender
 from transport.eloquent.sse import SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import DEADLINE, PATH, TAG, StreamDeadline, Tagger
+from transport.udp import BatchedDatagramTransport
 
 logger = logging.getLogger(__name__)
 
@@ -191,13 +191,11 @@ class Http3Server:
         def create_protocol(connection: Any, **kwargs: Any) -> _Http3Protocol:
             return _Http3Protocol(adopt(connection, self.settings.scheduler), self, **kwargs)
 
-        self._server = await serve(
+        self._server = await serve_quic(
             host, port, configuration=self.settings.quic_configuration(),
             create_protocol=create_protocol,
         )  # fmt: skip
-        transport = udp_transport(self._server)
-        self.port = transport.get_extra_info("sockname")[1]
-        widen_receive_buffer(transport.get_extra_info("socket"))
+        self.port = udp_transport(self._server).get_extra_info("sockname")[1]
 
     def goaway(self) -> None:
         """Send GOAWAY on every connection (connections made later get it once they speak
@@ -213,6 +211,13 @@ class Http3Server:
             # 0, is QUIC's NO_ERROR, which HTTP/3 does not define as an application error code.
             for protocol in set(self._server._protocols.values()):
                 protocol.close(error_code=ErrorCode.H3_NO_ERROR)
+            transport = udp_transport(self._server)
+            if isinstance(transport, BatchedDatagramTransport):
+                logger.info(
+                    "HTTP/3 socket: %d datagrams in %d reads, GSO %s, %d sends dropped on a full "
+                    "socket", transport.received, transport.reads,
+                    "on" if transport.gso else "off", transport.dropped,
+                )  # fmt: skip
             self._server.close()
 
 

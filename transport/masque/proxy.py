@@ -65,7 +65,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from aioquic.asyncio import serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
@@ -76,8 +75,8 @@ from transport.connection import (
     CoalescingProtocol,
     ScheduledQuicConnection,
     adopt,
+    serve_quic,
     udp_transport,
-    widen_receive_buffer,
 )
 from transport.masque.access import TunnelAccess
 from transport.masque.capsule import (
@@ -95,6 +94,7 @@ from transport.masque.connect_udp import (
     parse_connect_udp,
 )
 from transport.qos import QosRejected
+from transport.udp import open_udp
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,6 @@ class _Tunnel:
         self.transport.sendto(payload)
 
     def opened(self, transport: asyncio.DatagramTransport) -> None:
-        # A target's burst is read one datagram per loop pass: a deep buffer rides it out.
-        widen_receive_buffer(transport.get_extra_info("socket"))
         self.transport = transport
         early, self.early = self.early, []
         for payload in early:
@@ -321,11 +319,9 @@ class _ProxyProtocol(CoalescingProtocol):
         task.add_done_callback(self._tasks.discard)
 
     async def _open(self, tunnel: _Tunnel) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            transport, _ = await loop.create_datagram_endpoint(
-                lambda: _TargetProtocol(tunnel),
-                remote_addr=(tunnel.target.host, tunnel.target.port),
+            transport = await open_udp(
+                _TargetProtocol(tunnel), tunnel.target.host, tunnel.target.port, connect=True
             )
         except OSError as error:
             log.info("tunnel to %s: cannot open a socket: %s", tunnel.target, error)
@@ -394,13 +390,11 @@ class MasqueProxy:
             self._protocols.add(protocol)
             return protocol
 
-        self._server = await serve(
+        self._server = await serve_quic(
             self.host, self.port, configuration=self._configuration,
             create_protocol=create_protocol,
         )  # fmt: skip
-        sock = udp_transport(self._server).get_extra_info("socket")
-        widen_receive_buffer(sock)
-        self.port = sock.getsockname()[1]
+        self.port = udp_transport(self._server).get_extra_info("sockname")[1]
 
     def close(self) -> None:
         for protocol in list(self._protocols):

@@ -42,7 +42,6 @@ import ssl
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from aioquic.asyncio import connect
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
 from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
@@ -52,8 +51,7 @@ from transport.connection import (
     CoalescingProtocol,
     ScheduledQuicConnection,
     adopt,
-    udp_transport,
-    widen_receive_buffer,
+    connect_quic,
 )
 from transport.masque.capsule import (
     CapsuleError,
@@ -66,6 +64,7 @@ from transport.masque.capsule import (
 from transport.masque.connect_udp import template_path
 from transport.masque.proxy import datagram_limit
 from transport.schedulers import StreamSpec
+from transport.udp import widen_receive_buffer
 
 Mode = Literal["capsule", "datagram"]
 
@@ -184,13 +183,12 @@ class MasqueClient:
         def create_protocol(quic: Any, **kwargs: Any) -> _ProxyClientProtocol:
             return _ProxyClientProtocol(quic, scheduler=self.scheduler, **kwargs)
 
-        self._context = connect(
+        self._context = connect_quic(
             self.host, self.port, configuration=self._configuration,
-            create_protocol=create_protocol, wait_connected=True,
+            create_protocol=create_protocol,
         )  # fmt: skip
         protocol = await self._context.__aenter__()
         assert isinstance(protocol, _ProxyClientProtocol)
-        widen_receive_buffer(udp_transport(protocol).get_extra_info("socket"))
         self.protocol = protocol
         self._keep_alive = asyncio.get_running_loop().create_task(self._ping_while_open())
 
