@@ -1,19 +1,24 @@
 """An engine behind any OpenAI-compatible `vllm serve` URL: how the system reaches past one machine.
 
-It speaks through the official `openai` client, which already handles streaming, error bodies and
-timeouts. While the server cannot be reached the engine reports itself unhealthy; the replica's
-supervisor (`serving.replicas.Supervisor`, the same for every engine kind) then calls `recover`,
-which probes the server, with backoff until it answers again.
+The upstream leg is on the hot path once per token, so it is built for it (measured in
+docs/results/upstream.md): aiohttp's pooled keep-alive connections, the SSE stream split on its
+blank lines as the bytes arrive, and each event decoded by msgspec straight into the few fields
+read here. The official `openai` client did the same through pydantic models of every chunk, at
+several times the CPU per token. While the server cannot be reached the engine reports itself
+unhealthy; the replica's supervisor (`serving.replicas.Supervisor`, the same for every engine
+kind) then calls `recover`, which probes the server, with backoff until it answers again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Literal, TypedDict
+from dataclasses import dataclass
+from typing import Any
 
-import openai
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
+import aiohttp
+import msgspec
 
 from config import ReplicaConfig
 from serving.engines.base import (
@@ -23,29 +28,57 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from workloads import Message, Request, TokenIds
+from workloads import Request, TokenIds
 
 log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 4.0
+"""Idle pooled connections are closed after this: under the 5 s after which vLLM's server
+(uvicorn's `timeout_keep_alive`) closes them, so a request never goes out on a connection the
+upstream is closing."""
 
 
 class WrongModel(Exception):
     """The server answers, but does not serve the model under the configured name."""
 
 
-class _StreamArgs(TypedDict):
-    """What a chat and a plain completion request share, as the openai client takes it."""
+class _Delta(msgspec.Struct):
+    content: str | None = None
 
-    model: str
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    stop: list[str] | None
-    seed: int | None
-    presence_penalty: float
-    frequency_penalty: float
-    stream: Literal[True]
-    stream_options: ChatCompletionStreamOptionsParam
-    extra_body: dict[str, object]
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a chat or completion chunk read here; msgspec skips the others unparsed.
+    `error` is how vLLM reports a failure after the stream has begun."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict[str, Any] | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_encode = msgspec.json.encode
+
+
+@dataclass(slots=True)
+class _Open:
+    """A request in flight: its response once the upstream has answered, and how many events it
+    has read, which the stall watch compares between its rounds."""
+
+    response: aiohttp.ClientResponse | None = None
+    reads: int = 0
+    seen: int = -1
+    stalled: bool = False
 
 
 class RemoteEngine:
@@ -53,15 +86,40 @@ class RemoteEngine:
         if config.url is None:
             raise ValueError(f"{config.name}: a remote engine needs a url")
         self.config = config
-        self._client = openai.AsyncOpenAI(
-            base_url=config.url,
-            api_key="unused",  # vllm serve ignores it unless started with --api-key
-            max_retries=0,  # the gateway decides where a failed request goes, not the client
-            timeout=openai.Timeout(read_timeout_s, connect=5.0),
-        )
+        self._url = config.url.rstrip("/")
+        self._read_timeout_s = read_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._healthy = False
-        self._open: set[str] = set()
-        self._streams: dict[str, openai.AsyncStream] = {}
+        self._open: dict[str, _Open] = {}
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Made on first use: an aiohttp session belongs to the running loop.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                # No sock_read: aiohttp would re-arm a timer on every chunk received (3% of the
+                # front-end's CPU at 80 req/s); `_watch_stalls` does it for all streams at once.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                # vLLM sends no cookies; a jar would be a dict lookup per response for nothing.
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            self._watch = asyncio.get_running_loop().create_task(self._watch_stalls())
+        return self._session
+
+    async def _watch_stalls(self) -> None:
+        """Every `read_timeout_s`, cut the streams that read nothing since the last round: a
+        stream is cut after one to two timeouts of silence, by one timer for all of them."""
+        while True:
+            await asyncio.sleep(self._read_timeout_s)
+            for held in list(self._open.values()):
+                if held.response is None:
+                    continue
+                if held.reads == held.seen:
+                    held.stalled = True
+                    held.response.close()
+                held.seen = held.reads
 
     async def start(self) -> None:
         # A server that is not up yet is an outage for the supervisor to ride out, not a reason
@@ -77,13 +135,18 @@ class RemoteEngine:
 
     async def _reachable(self) -> bool:
         try:
-            models = await self._client.models.list()
-        except (openai.APIConnectionError, openai.APIStatusError):
+            async with self.session.get(
+                self._url + "/models", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as response:
+                if response.status != 200:
+                    return False
+                listed = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             return False
-        served = {m.id for m in models.data}
+        served = {m.get("id") for m in listed.get("data", []) if isinstance(m, dict)}
         if self.config.served_name not in served:
             raise WrongModel(
-                f"{self.config.name}: {self.config.url} serves {sorted(served)}, not "
+                f"{self.config.name}: {self.config.url} serves {sorted(map(str, served))}, not "
                 f"{self.config.served_name!r}; set served_name in models.yaml"
             )
         return True
@@ -98,19 +161,25 @@ class RemoteEngine:
                 "yet; pin a model this server runs itself.",
                 param="logprobs" if sampling.logprobs is not None else "echo",
             )
-        self._open.add(request.request_id)
+        held = self._open[request.request_id] = _Open()
+        finished = False
         try:
-            stream = await self._start(request, sampling)
-            self._streams[request.request_id] = stream
+            held.response = await self._start(request, sampling)
             generated = 0
-            async for chunk in stream:
+            async for data in _sse_data(held.response):
+                held.reads += 1
+                chunk = _decode_chunk(data)
+                if chunk.error is not None:
+                    raise EngineError(f"{self.config.name}: {_text(chunk.error)}")
                 usage = chunk.usage
                 if not chunk.choices:
                     continue
                 choice = chunk.choices[0]
-                text = (choice.delta.content if request.is_chat else choice.text) or ""
+                delta = choice.delta
+                text = (delta.content if delta is not None else choice.text) or ""
                 # vLLM's continuous usage gives exact counts; other servers send one token a chunk.
                 total = usage.completion_tokens if usage else generated + (1 if text else 0)
+                finished = choice.finish_reason is not None
                 yield TokenDelta(
                     text=text,
                     tokens=total - generated,
@@ -118,65 +187,84 @@ class RemoteEngine:
                     finish_reason=choice.finish_reason,
                 )
                 generated = total
-        except openai.APITimeoutError as exc:
+            if not finished:
+                raise EngineError(f"{self.config.name}: the stream ended before the answer did")
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"{self.config.name}: a chunk that is not JSON: {exc}") from exc
+        except TimeoutError as exc:
             # One slow stream is this request's failure, not proof that the server is gone.
             raise EngineError(
                 f"{self.config.name}: no output from {self.config.url} in time"
             ) from exc
-        except openai.APIConnectionError as exc:
+        except aiohttp.ClientError as exc:
+            if held.stalled:  # one slow stream, not proof that the server is gone
+                raise EngineError(
+                    f"{self.config.name}: no output from {self.config.url} in time"
+                ) from exc
+            if request.request_id not in self._open:  # `abort` closed it
+                raise EngineError(f"{self.config.name}: aborted") from exc
             self._healthy = False  # until the supervisor's probe finds it
-            raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc}") from exc
-        except openai.APIError as exc:
-            raise EngineError(f"{self.config.name}: {_message(exc)}") from exc
+            raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc!r}") from exc
         finally:
-            self._open.discard(request.request_id)
-            still_open = self._streams.pop(request.request_id, None)
-            if still_open is not None:
-                await still_open.close()  # vllm serve aborts a request whose connection closes
+            self._open.pop(request.request_id, None)
+            if held.response is not None and held.response.content.at_eof():
+                held.response.release()  # read to its end: the connection goes back to the pool
+            elif held.response is not None:
+                held.response.close()  # cut: vllm serve aborts a request whose connection closes
 
-    async def _start(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
+    async def _start(self, request: Request, sampling: Sampling) -> aiohttp.ClientResponse:
         """Send the request. Failures here mean the server never took it, so another may."""
+        chat = isinstance(request.prompt, tuple)
+        body: dict[str, Any] = {
+            "model": self.config.served_name,
+            "max_tokens": request.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stop": list(sampling.stop) or None,
+            "seed": sampling.seed,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": sampling.ignore_eos,
+        }
+        if isinstance(request.prompt, tuple):
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.prompt]
+        elif isinstance(request.prompt, TokenIds):
+            body["prompt"] = list(request.prompt.ids)
+        else:
+            body["prompt"] = request.prompt
+        url = self._url + ("/chat/completions" if chat else "/completions")
+        headers = {"content-type": "application/json", "x-request-id": request.request_id}
         try:
-            return await self._create(request, sampling)
-        except openai.BadRequestError as exc:
-            raise InvalidRequest(_message(exc), _error_field(exc, "param")) from exc
-        except openai.APITimeoutError:
+            async with asyncio.timeout(self._read_timeout_s):
+                response = await self.session.post(url, data=_encode(body), headers=headers)
+        except TimeoutError:
             raise
-        except openai.APIConnectionError as exc:
+        except aiohttp.ClientError as exc:
             self._healthy = False  # until the supervisor's probe finds it
             raise EngineUnavailable(f"{self.config.name}: cannot reach {self.config.url}") from exc
-        except openai.APIStatusError as exc:
-            if exc.status_code == 503:  # busy or draining: it did not take the request
-                raise EngineUnavailable(f"{self.config.name}: {_message(exc)}") from exc
-            raise
-
-    async def _create(self, request: Request, sampling: Sampling) -> openai.AsyncStream:
-        common = _StreamArgs(
-            model=self.config.served_name,
-            max_tokens=request.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop=list(sampling.stop) or None,
-            seed=sampling.seed,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            stream=True,
-            # continuous_usage_stats is vLLM's, unknown to openai's type.
-            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
-            extra_body={"ignore_eos": sampling.ignore_eos},
-        )
-        if isinstance(request.prompt, tuple):  # a chat
-            messages = [_chat_message(m) for m in request.prompt]
-            return await self._client.chat.completions.create(messages=messages, **common)
-        prompt = (
-            list(request.prompt.ids) if isinstance(request.prompt, TokenIds) else request.prompt
-        )
-        return await self._client.completions.create(prompt=prompt, **common)
+        if response.status == 200:
+            return response
+        try:
+            error = await response.json(content_type=None)
+        except (aiohttp.ClientError, ValueError):
+            error = {}
+        finally:
+            response.release()
+        inner = error.get("error", error) if isinstance(error, dict) else {}
+        message = _text(inner) or f"{self.config.url} answered {response.status}"
+        if response.status == 400:
+            param = inner.get("param") if isinstance(inner, dict) else None
+            raise InvalidRequest(message, param if isinstance(param, str) else None)
+        if response.status == 503:  # busy or draining: it did not take the request
+            raise EngineUnavailable(f"{self.config.name}: {message}")
+        raise EngineError(f"{self.config.name}: {response.status}: {message}")
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            await stream.close()
+        held = self._open.pop(request_id, None)
+        if held is not None and held.response is not None:
+            held.response.close()  # vllm serve aborts a request whose connection closes
 
     def healthy(self) -> bool:
         return self._healthy
@@ -186,25 +274,31 @@ class RemoteEngine:
 
     async def close(self) -> None:
         self._healthy = False
-        await self._client.close()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._session is not None:
+            await self._session.close()
 
 
-def _error_field(exc: openai.APIError, field: str) -> str | None:
-    """A field of the server's OpenAI-shaped error body, where it sent one."""
-    body = exc.body if isinstance(exc.body, dict) else {}
-    inner = body.get("error", body)
-    value = inner.get(field) if isinstance(inner, dict) else None
-    return value if isinstance(value, str) else None
+async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE stream but `[DONE]`, read to the stream's end (so that its
+    connection can go back to the pool). Bytes are split on the blank line that ends each event
+    as they arrive: one split per read, however many events it holds, where reading line by
+    line costs a call per line."""
+    rest = b""
+    async for received in response.content.iter_any():
+        events = (rest + received).split(b"\n\n")
+        rest = events.pop()
+        for event in events:
+            for line in event.splitlines():
+                if line.startswith(b"data:") and (data := line[5:].strip()) != b"[DONE]":
+                    yield data
 
 
-def _chat_message(message: Message) -> ChatCompletionMessageParam:
-    # A branch per role: openai's type of a message is one TypedDict per role.
-    if message.role == "system":
-        return {"role": "system", "content": message.content}
-    if message.role == "user":
-        return {"role": "user", "content": message.content}
-    return {"role": "assistant", "content": message.content}
-
-
-def _message(exc: openai.APIError) -> str:
-    return _error_field(exc, "message") or exc.message
+def _text(error: Any) -> str:
+    """The message of an OpenAI-shaped error object, where it has one."""
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str):
+            return message
+    return ""

@@ -1,0 +1,240 @@
+"""`python -m benchmarks.upstream_gateways`: our server in front of `vllm serve`-shaped upstreams,
+side by side with the gateways users would pick instead (sglang-router, vllm-router).
+
+Three null upstreams (`workloads.null_server`: vLLM's chunk layout, /health, /metrics; first
+token at `--first-token-ms`, then one every `--token-gap-ms`, whatever the load) stand behind
+each gateway in turn:
+- `ours`: `python -m serving` with a `remote` deployment naming the three URLs as three replicas
+  of one model, as `make serve` runs it (request log, /metrics and HTTP/3 on);
+- `sglang-router` and `vllm-router` (Rust), from a virtual environment of their own
+  (`--peers-venv`; `--install-peers` makes it with pip; a gateway whose venv lacks it is skipped
+  with a note);
+- `direct`: the load straight at one upstream, the baseline for the added TTFT.
+
+Each gateway is pinned to CPU 0 and the load generator, `vllm bench serve` (128 tokens in, 64
+out, chat), to the others. Rounds interleave the gateways, so that the machine's drift falls on
+all of them alike. Gateway CPU is read from /proc over each run. The table: achieved rate,
+failures, median and p99 TTFT, the median TTFT added over `direct` in the same round, and
+gateway CPU per request, each the median over the rounds.
+
+    python -m benchmarks.upstream_gateways --install-peers          # 20, 80, 200 req/s, 3 rounds
+    python -m benchmarks.upstream_gateways --rates 40 --rounds 1 --gateways ours,direct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import yaml
+
+from experiments.live import VLLM_BENCH, cpu_seconds
+from serving.launch import ROOT, Launched, free_port, launch
+
+MODEL = "null"
+"""What the upstreams serve."""
+ASKED = "opt-125m"
+"""What the load asks for: the model of our deployment's replicas; the upstreams ignore it and the
+peers pass it through."""
+GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
+
+
+def remote_config(folder: Path, urls: list[str]) -> Path:
+    """The shipped models.yaml plus a `bench-upstreams` deployment: the upstreams as replicas of
+    one model (opt-125m, served as `null`), its other settings as the `remote` deployment's."""
+    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for model in spec["models"].values():
+        if model["source"].startswith("."):
+            model["source"] = str(ROOT / model["source"])
+    spec["placements"]["bench-upstreams"] = [
+        {"model": "opt-125m", "url": url + "/v1", "served_name": MODEL} for url in urls
+    ]
+    spec["deployments"]["bench-upstreams"] = {
+        **spec["deployments"]["remote"],
+        "placement": "bench-upstreams",
+    }
+    path = folder / "models.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def start_gateway(
+    name: str, urls: list[str], folder: Path, args: argparse.Namespace
+) -> Launched | None:
+    port = free_port()
+    log = folder / f"{name}.log"
+    if name == "ours":
+        config = remote_config(folder, urls)
+        command = [sys.executable, "-m", "serving", "--config", str(config),
+                   "--deployment", "bench-upstreams", "--port", str(port),
+                   "--h3-port", str(free_port(socket.SOCK_DGRAM)),
+                   "--request-log", str(folder / "requests.jsonl")]  # fmt: skip
+        ready = "/readyz"
+    else:
+        binary = {
+            "sglang-router": [str(args.peers_venv / "bin" / "python"), "-m",
+                              "sglang_router.launch_router"],
+            "vllm-router": [str(args.peers_venv / "bin" / "vllm-router")],
+        }[name]  # fmt: skip
+        if not Path(binary[0]).exists() or (
+            name == "sglang-router"
+            and subprocess.run(
+                [*binary[:1], "-c", "import sglang_router"], capture_output=True
+            ).returncode
+            != 0  # fmt: skip
+        ):
+            print(f"note: {name} is not in {args.peers_venv}; --install-peers", file=sys.stderr)
+            return None
+        command = [*binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+        ready = "/health"
+    return launch(name, command, port, ready, log, cpus={0}).ready(120)
+
+
+def bench(url: str, rate: float, args: argparse.Namespace, out: Path) -> dict:
+    prompts = max(int(rate * args.duration), 10)
+    command = [sys.executable, "-c", VLLM_BENCH, "--backend", "openai-chat", "--base-url", url,
+               "--endpoint", "/v1/chat/completions", "--model", ASKED,
+               "--tokenizer", str(ROOT / ".models" / "tiny-m"), "--dataset-name", "random",
+               "--random-input-len", "128", "--random-output-len", "64", "--ignore-eos",
+               "--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", "3",
+               "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+               "--disable-tqdm"]  # fmt: skip
+    cpus = set(range(1, os.cpu_count() or 2)) or {0}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+    )  # fmt: skip
+    if result.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed:\n{result.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rows: list[dict] = []
+    folder = args.out
+    folder.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        urls = []
+        for i in range(args.upstreams):
+            port = free_port()
+            command = [sys.executable, "-m", "workloads.null_server", "--port", str(port),
+                       "--h3-port", "0", "--model", MODEL,
+                       "--first-token-ms", str(args.first_token_ms),
+                       "--token-gap-ms", str(args.token_gap_ms)]  # fmt: skip
+            upstream = launch(f"null-{i}", command, port, "/health", folder / f"null-{i}.log",
+                              cpus={1} if (os.cpu_count() or 1) > 1 else None)  # fmt: skip
+            stack.enter_context(upstream.ready(60))
+            urls.append(upstream.url)
+        for round_ in range(args.rounds):
+            for rate in args.rates:
+                direct = None
+                for name in args.gateways:
+                    gateway = None if name == "direct" else start_gateway(name, urls, folder, args)
+                    if name != "direct" and gateway is None:
+                        continue
+                    url = urls[0] if gateway is None else gateway.url
+                    pid = gateway.pid if gateway is not None else None
+                    before = cpu_seconds(pid) if pid else 0.0
+                    try:
+                        record = bench(url, rate, args, folder / f"{name}-r{rate:g}-{round_}.json")
+                    finally:
+                        used = cpu_seconds(pid) - before if pid else 0.0
+                        if gateway is not None:
+                            gateway.stop()
+                    row = {
+                        "round": round_, "rate": rate, "gateway": name,
+                        "achieved": record["request_throughput"],
+                        "completed": record["completed"],
+                        "failed": record.get("failed", record["num_prompts"] - record["completed"]),
+                        "median_ttft_ms": record["median_ttft_ms"],
+                        "p99_ttft_ms": record["p99_ttft_ms"],
+                        "cpu_ms_per_request": 1000 * used / max(record["completed"], 1),
+                        "cores": used / record["duration"],
+                    }  # fmt: skip
+                    if name == "direct":
+                        direct = row
+                    row["added_ttft_ms"] = (
+                        row["median_ttft_ms"] - direct["median_ttft_ms"] if direct else None
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    columns = ["rate", "gateway", "achieved req/s", "failed", "median TTFT", "p99 TTFT",
+               "added median TTFT", "CPU per request", "gateway cores"]  # fmt: skip
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    keys = sorted({(r["rate"], GATEWAYS.index(r["gateway"]), r["gateway"]) for r in rows})
+    for rate, _, name in keys:
+        mine = [r for r in rows if (r["rate"], r["gateway"]) == (rate, name)]
+
+        def median(field: str, rows: list[dict] = mine) -> float:
+            return statistics.median(r[field] for r in rows if r[field] is not None)
+
+        added = "" if name == "direct" else f"{median('added_ttft_ms'):+.1f} ms"
+        cpu = "" if name == "direct" else f"{median('cpu_ms_per_request'):.2f} ms"
+        cores = "" if name == "direct" else f"{median('cores'):.2f}"
+        lines.append(
+            f"| {rate:g} req/s | {name} | {median('achieved'):.1f} "
+            f"| {sum(r['failed'] for r in mine)} "
+            f"| {median('median_ttft_ms'):.1f} ms | {median('p99_ttft_ms'):.1f} ms | {added} "
+            f"| {cpu} | {cores} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def install_peers(venv: Path) -> None:
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "sglang-router", "vllm-router"], check=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.upstream_gateways", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--rates", default="20,80,200", help="req/s, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    parser.add_argument("--gateways", default=",".join(GATEWAYS))
+    parser.add_argument("--upstreams", type=int, default=3)
+    parser.add_argument("--first-token-ms", type=float, default=20.0)
+    parser.add_argument("--token-gap-ms", type=float, default=10.0)
+    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    parser.add_argument("--install-peers", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "upstream_gateways")
+    args = parser.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",")]
+    args.gateways = args.gateways.split(",")
+    unknown = set(args.gateways) - set(GATEWAYS)
+    if unknown:
+        parser.error(f"unknown gateways {sorted(unknown)}; choose from {', '.join(GATEWAYS)}")
+    if "direct" in args.gateways:  # first in each round: the others' added TTFT is against it
+        args.gateways = ["direct", *[g for g in args.gateways if g != "direct"]]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.install_peers:
+        install_peers(args.peers_venv)
+    rows = run(args)
+    text = table(rows)
+    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

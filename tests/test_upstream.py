@@ -1,0 +1,87 @@
+"""The whole server in front of a `vllm serve`-shaped null upstream (`remote` engine): what
+reaches the client is what the upstream sent, and an upstream that dies mid-stream ends the
+stream in a counted engine error. The upstream is killed by the last test, which stays last."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from serving.launch import free_port
+from tests.conftest import PYTHON, Server, launch, serving_command
+from tests.conftest import test_config as write_config
+
+ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    folder = tmp_path_factory.mktemp("upstream")
+    command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
+               "--model", "up", "--first-token-ms", "20", "--token-gap-ms", "10"]  # fmt: skip
+    null = launch("null-upstream", command, port, "/health", folder)
+    yield null.wait_ready()
+    null.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: Server) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("gateway")
+    placement = [{"model": "tiny-s", "url": upstream.url + "/v1", "served_name": "up"}]
+    config = write_config(
+        folder,
+        null_remote=(placement, {"placement": "null_remote", "policy": {"name": "least-load"}}),
+    )
+    port = free_port()
+    command = serving_command(config, "null_remote", port, "--h3-port", "0")
+    server = launch("null-gateway", command, port, "/readyz", folder)
+    yield server.wait_ready()
+    server.stop()
+
+
+def stream(server: Server, max_tokens: int) -> list[dict | str]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    events: list[dict | str] = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_what_the_client_gets_is_what_the_upstream_sent(gateway: Server) -> None:
+    events = stream(gateway, 40)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "".join(f" t{i}" for i in range(40))
+    assert chunks[-1]["usage"]["completion_tokens"] == 40
+    assert chunks[-1]["usage"]["prompt_tokens"] == 1  # the upstream's count, relayed
+
+
+def test_an_upstream_that_dies_mid_stream_ends_in_a_counted_engine_error(
+    gateway: Server, upstream: Server
+) -> None:
+    before = gateway.metric("serving_requests_total", **ENGINE_ERRORS)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "stream": True}
+    events: list[dict | str] = []
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if len(events) == 3:
+                    os.killpg(upstream.process.pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert isinstance(last, dict) and last["error"]["code"] == "engine_error", events[-3:]
+    assert gateway.metric("serving_requests_total", **ENGINE_ERRORS) == before + 1
