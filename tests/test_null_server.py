@@ -17,7 +17,7 @@ from tests.conftest import PYTHON, Server, wait_until
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("null") / "null.log"
     command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
@@ -46,10 +46,10 @@ def events(response: httpx.Response) -> list[dict]:
     return out
 
 
-def test_completions_stream_in_vllms_layout(upstream: Server) -> None:
+def test_completions_stream_in_vllms_layout(null_upstream: Server) -> None:
     body = {"model": "up", "prompt": "one two three", "max_tokens": 3, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    chunks = events(httpx.post(upstream.url + "/v1/completions", json=body, timeout=10))
+    chunks = events(httpx.post(null_upstream.url + "/v1/completions", json=body, timeout=10))
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == [" t0", " t1", " t2"]
     assert {c["object"] for c in chunks} == {"text_completion"}
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
@@ -57,30 +57,32 @@ def test_completions_stream_in_vllms_layout(upstream: Server) -> None:
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
-def test_chat_streams_a_role_first_and_usage_on_every_chunk_when_asked(upstream: Server) -> None:
+def test_chat_streams_a_role_first_and_usage_on_every_chunk_when_asked(
+    null_upstream: Server,
+) -> None:
     body = {"model": "up", "messages": [{"role": "user", "content": "hi there"}],
             "max_tokens": 2, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
-    chunks = events(httpx.post(upstream.url + "/v1/chat/completions", json=body, timeout=10))
+    chunks = events(httpx.post(null_upstream.url + "/v1/chat/completions", json=body, timeout=10))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["delta"]["content"] for c in chunks[1:3]] == [" t0", " t1"]
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 2]
     plain = {**body, "stream": False}
-    whole = httpx.post(upstream.url + "/v1/chat/completions", json=plain, timeout=10).json()
+    whole = httpx.post(null_upstream.url + "/v1/chat/completions", json=plain, timeout=10).json()
     assert whole["choices"][0]["message"]["content"] == " t0 t1"
     assert whole["usage"]["prompt_tokens"] == 2
 
 
-def test_a_bad_body_is_a_400_and_health_answers(upstream: Server) -> None:
-    bad = httpx.post(upstream.url + "/v1/completions", content=b"{nope", timeout=10)
+def test_a_bad_body_is_a_400_and_health_answers(null_upstream: Server) -> None:
+    bad = httpx.post(null_upstream.url + "/v1/completions", content=b"{nope", timeout=10)
     assert bad.status_code == 400 and "invalid JSON" in bad.json()["error"]["message"]
-    assert httpx.get(upstream.url + "/health").status_code == 200
+    assert httpx.get(null_upstream.url + "/health").status_code == 200
 
 
 async def test_past_max_num_seqs_requests_wait_in_order_and_leaving_aborts(
-    upstream: Server,
+    null_upstream: Server,
 ) -> None:
-    before = metrics(upstream)
+    before = metrics(null_upstream)
     body = {"model": "up", "prompt": "x", "max_tokens": 50, "stream": True}
     started: list[int] = []
 
@@ -89,7 +91,7 @@ async def test_past_max_num_seqs_requests_wait_in_order_and_leaving_aborts(
     async with httpx.AsyncClient(timeout=30) as client:
 
         async def stream(i: int, leaves: bool) -> None:
-            async with client.stream("POST", upstream.url + "/v1/completions", json=body) as r:
+            async with client.stream("POST", null_upstream.url + "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         if i not in started:
@@ -107,15 +109,17 @@ async def test_past_max_num_seqs_requests_wait_in_order_and_leaving_aborts(
         await until_started(1)
         third = asyncio.create_task(stream(2, False))
         await asyncio.sleep(0.2)  # its request is in, waiting for a slot
-        now = await asyncio.to_thread(metrics, upstream)
+        now = await asyncio.to_thread(metrics, null_upstream)
         assert (now["vllm:num_requests_running"], now["vllm:num_requests_waiting"]) == (2, 1)
         assert now["vllm:kv_cache_usage_perc"] == 1.0
         assert started == [0, 1]
         leave.set()  # the first leaves mid-answer: its slot goes to the third
         await asyncio.gather(first, second, third)
     assert started == [0, 1, 2]  # the third began only once the first left
-    wait_until(lambda: metrics(upstream)["vllm:num_requests_running"] == 0, 10, "requests to end")
-    after = metrics(upstream)
+    wait_until(
+        lambda: metrics(null_upstream)["vllm:num_requests_running"] == 0, 10, "requests to end"
+    )
+    after = metrics(null_upstream)
     aborted = after.get("vllm:request_success_total[abort]", 0) - before.get(
         "vllm:request_success_total[abort]", 0
     )

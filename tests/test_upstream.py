@@ -20,7 +20,7 @@ ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     folder = tmp_path_factory.mktemp("upstream")
     command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
@@ -31,9 +31,9 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: Server) -> Iterator[Server]:
+def gateway(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("gateway")
-    placement = [{"model": "tiny-s", "url": upstream.url + "/v1", "served_name": "up"}]
+    placement = [{"model": "tiny-s", "url": null_upstream.url + "/v1", "served_name": "up"}]
     config = write_config(
         folder,
         null_remote=(placement, {"placement": "null_remote", "policy": {"name": "least-load"}}),
@@ -69,7 +69,7 @@ def test_what_the_client_gets_is_what_the_upstream_sent(gateway: Server) -> None
 
 
 def test_an_upstream_that_dies_mid_stream_ends_in_a_counted_engine_error(
-    gateway: Server, upstream: Server
+    gateway: Server, null_upstream: Server
 ) -> None:
     before = gateway.metric("serving_requests_total", **ENGINE_ERRORS)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "stream": True}
@@ -80,7 +80,7 @@ def test_an_upstream_that_dies_mid_stream_ends_in_a_counted_engine_error(
                 data = line.removeprefix("data: ")
                 events.append(data if data == "[DONE]" else json.loads(data))
                 if len(events) == 3:
-                    os.killpg(upstream.process.pid, signal.SIGKILL)
+                    os.killpg(null_upstream.process.pid, signal.SIGKILL)
     assert events[-1] == "[DONE]"
     last = events[-2]
     assert isinstance(last, dict) and last["error"]["code"] == "engine_error", events[-3:]
