@@ -15,6 +15,7 @@ import pytest
 from serving.launch import free_port
 from tests.conftest import PYTHON, Server, launch, serving_command
 from tests.conftest import test_config as write_config
+from tests.test_api import sse_events
 
 ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}
 
@@ -48,14 +49,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> 
 def stream(server: Server, max_tokens: int) -> list[dict | str]:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    events: list[dict | str] = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+        return sse_events(r)
 
 
 def test_what_the_client_gets_is_what_the_upstream_sent(gateway: Server) -> None:

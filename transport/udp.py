@@ -165,11 +165,13 @@ class BatchedDatagramTransport(asyncio.DatagramTransport):
 
     def _write(self, run: list[bytes], addr: Address) -> None:
         to = () if addr is None else (addr,)  # None: the connected socket's peer
-        if len(run) == 1:
-            self._sock.sendto(run[0], addr) if to else self._sock.send(run[0])
-        else:
+        if len(run) > 1:
             segment = struct.pack("=H", len(run[0]))
             self._sock.sendmsg(run, [(socket.SOL_UDP, UDP_SEGMENT, segment)], 0, *to)
+        elif to:
+            self._sock.sendto(run[0], addr)
+        else:
+            self._sock.send(run[0])
 
     def _refused(self, run: list[bytes], addr: Address, exc: OSError) -> None:
         if len(run) > 1 and exc.errno in _GSO_REFUSED:
