@@ -31,6 +31,10 @@ from config.schema import (
 S = TypeVar("S", bound=BaseModel)
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
+DEFAULT_SCRAPE_S = 0.1
+"""How often a remote replica's /metrics is read, where its entry does not say: the Gateway API
+Inference Extension's endpoint picker reads every 50 ms, vLLM's API-server coordinator
+publishes every 100 ms."""
 
 
 class ConfigError(ValueError):
@@ -56,6 +60,8 @@ class ReplicaConfig:
     fallback_chat_template: str | None
     """For tokenizers without a chat template."""
     build: TinyBuild | None
+    scrape_s: float = 0.0
+    """How often a remote replica's /metrics is read; 0: never."""
 
     def engine_int(self, name: str, default: int) -> int:
         """An integer vLLM argument (max_model_len, max_num_seqs) of `engine_args`, else
@@ -111,7 +117,7 @@ class Deployment:
     def with_admission(self, rule: Literal["deadline", "none"]) -> Deployment:
         """This deployment with admission control's rule replaced ('deadline' or 'none')."""
         admission = AdmissionSpec(rule=rule, lower_class_share=self.admission.lower_class_share)
-        return replace(self, admission=_admission(self.name, admission, self.profile))
+        return replace(self, admission=_admission(self.name, admission, self.profile, self.remote))
 
     def with_time_scale(self, factor: float) -> Deployment:
         """This simulated deployment with every time of its profile multiplied by `factor`, on
@@ -134,6 +140,11 @@ class Deployment:
         if self.paths is not None and self.policy.net_path is not None:
             return self.policy.net_path
         return self.policy.path
+
+    @property
+    def remote(self) -> bool:
+        """Every replica is a server behind a URL."""
+        return all(r.url is not None for r in self.replicas)
 
     @property
     def max_batch(self) -> int | None:
@@ -215,7 +226,9 @@ def resolve(
         },
         policy=_policy(dep.policy, Path(base_dir)),
         profile=_profile(spec, dep.profile, simulation),
-        admission=_admission(name, dep.admission, dep.profile),
+        admission=_admission(
+            name, dep.admission, dep.profile, all(r.url is not None for r in replicas)
+        ),
         simulation=simulation,
         paths=spec.path_mixes[dep.paths] if dep.paths is not None else None,
         path_mix=dep.paths,
@@ -267,13 +280,17 @@ def _scaled(profile: Profile, factor: float) -> Profile:
     )
 
 
-def _admission(name: str, admission: AdmissionSpec, profile: object | None) -> AdmissionSpec:
-    if admission.rule == "deadline" and profile is None:
+def _admission(
+    name: str, admission: AdmissionSpec, profile: object | None, remote: bool
+) -> AdmissionSpec:
+    """The rule resolved: deadline where it has times to go on, a profile or remote servers
+    whose times it learns (`router.admission.UNPROFILED`)."""
+    if admission.rule == "deadline" and profile is None and not remote:
         raise ConfigError(
             f"deployments.{name}.admission: rule 'deadline' needs the deployment's latency "
-            "profile (profile: ...)"
+            "profile (profile: ...), unless every replica is remote (url)"
         )
-    rule = admission.rule or ("deadline" if profile else "none")
+    rule = admission.rule or ("deadline" if profile or remote else "none")
     return admission.model_copy(update={"rule": rule})
 
 
@@ -333,6 +350,9 @@ def _replicas(
                     chat_template=model.chat_template,
                     fallback_chat_template=spec.chat_template,
                     build=model.build,
+                    scrape_s=entry.scrape_s
+                    if entry.scrape_s is not None
+                    else DEFAULT_SCRAPE_S * bool(url),
                 )
             )
     names = [r.name for r in replicas]

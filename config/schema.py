@@ -84,12 +84,18 @@ class ReplicaEntry(Strict):
     cpu_cores: Annotated[str, Field(pattern=_CPU_LIST)] | None = None
     """Cores for the engine's processes, as VLLM_CPU_OMP_THREADS_BIND takes them: "0-2,5"."""
     engine_args: dict[str, object] = {}
+    scrape_s: Annotated[float, Field(ge=0)] | None = None
+    """With url: seconds between reads of the server's /metrics (the URL's origin), whose
+    load (vLLM's running and waiting requests, KV cache) the router and admission control see
+    beside the gateway's own; 0: never read. Default 0.1."""
 
     @model_validator(mode="after")
     def _one_location(self) -> ReplicaEntry:
         given = [name for name in ("device", "devices", "url") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of device, devices or url (got {given or 'none'})")
+        if self.scrape_s is not None and self.url is None:
+            raise ValueError("scrape_s is only for a replica behind a url")
         for device in self.device_list():
             if not (device == "cpu" or device.startswith("cuda:")):
                 raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")

@@ -60,7 +60,7 @@ from typing import Protocol
 from config import Deployment, QosClass
 from config.schema import ProfileModel
 from router.sim import DEFAULT_PROMPT_TOKENS, step_time
-from router.view import ClusterView
+from router.view import ClusterView, ReplicaState
 from workloads import Request
 
 DEFAULT_MAX_BATCH = 256
@@ -189,15 +189,16 @@ class DeadlineAdmission:
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> DeadlineAdmission:
-        if deployment.profile is None:
+        profile = deployment.profile
+        if profile is None and not deployment.remote:
             raise ValueError(
                 f"deployment {deployment.name!r} names no latency profile, which shedding needs"
             )
         return cls(
             [(r.model, r.device or r.name) for r in deployment.replicas],
-            deployment.profile.models,
+            profile.models if profile else dict.fromkeys(deployment.models, UNPROFILED),
             deployment.qos_classes,
-            deployment.profile.interference,
+            profile.interference if profile else 0.0,
             deployment.max_batch or DEFAULT_MAX_BATCH,
             deployment.admission.lower_class_share,
             deployment.slo.tpot_s,
@@ -213,9 +214,13 @@ class DeadlineAdmission:
         is mostly queueing, not slow steps."""
         return self._profiled_step_s(view, index) * self.pace[index]
 
+    def _slots(self, replica: ReplicaState) -> int:
+        """The replica's batch cap: what its server showed, else the deployment's."""
+        return min(replica.batch_cap, self.max_batch) if replica.batch_cap else self.max_batch
+
     def _profiled_first_token_s(self, view: ClusterView, index: int, prompt_tokens: int) -> float:
         replica = view.replicas[index]
-        steps, slots, ahead = self._steps[index], self.max_batch, replica.running
+        steps, slots, ahead = self._steps[index], self._slots(replica), replica.running
         in_progress = steps[min(ahead, slots)] if ahead else 0.0
         waves = 0.0
         if ahead >= slots:
@@ -225,8 +230,9 @@ class DeadlineAdmission:
         return (in_progress + own) * self._slowdown(view, index)
 
     def _profiled_step_s(self, view: ClusterView, index: int) -> float:
-        steps, ahead = self._steps[index], view.replicas[index].running
-        return steps[min(ahead + 1, self.max_batch)] * self._slowdown(view, index)
+        replica = view.replicas[index]
+        step = self._steps[index][min(replica.running + 1, self._slots(replica))]
+        return step * self._slowdown(view, index)
 
     def _slowdown(self, view: ClusterView, index: int) -> float:
         busy = sum(1 for j in self._neighbours[index] if view.replicas[j].running)
@@ -334,6 +340,12 @@ def _learned(scale: float, profiled: float, actual: float) -> float:
         (1 - CALIBRATION_WEIGHT) * math.log(scale) + CALIBRATION_WEIGHT * math.log(ratio)
     )
 
+
+UNPROFILED = ProfileModel(prefill_s_per_token=1e-4, step_s={1: 0.02})
+"""Where remote servers' models have no profile, what admission control starts from: 20 ms a
+step at any batch, 0.1 ms a prompt token (a 7B model on one GPU, roughly), which each replica's
+scales then correct from its first tokens and paces, as they correct a profile. The queue ahead
+of a request comes from the server's own report (`ReplicaState.batch_cap`, `running`)."""
 
 CALIBRATION_WEIGHT = 0.05
 """The weight of one observation in a replica's moving average: about the last 20 count."""

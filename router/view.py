@@ -22,6 +22,9 @@ class ReplicaState(NamedTuple):
     owed: int = 0
     """Output tokens still owed to the requests in flight here: their max_tokens (or a guess,
     where a request sets none) less what they have had. Admission control's queue estimate."""
+    batch_cap: int = 0
+    """The most requests its engine runs at once, where its server showed it (a remote vLLM's
+    requests waiting beside its running ones); 0: unknown."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -214,6 +215,7 @@ class _ReplicaCollector(Collector):
             "1 if the replica accepts requests, 0 while its engine is down or restarting.",
             ((r, int(r.engine.healthy())) for r in self.replicas),
         )
+        yield from self._upstream_load()
         yield self._labelled(
             CounterMetricFamily(
                 "serving_engine_restarts",
@@ -222,6 +224,31 @@ class _ReplicaCollector(Collector):
                 labels=_REPLICA_LABELS,
             ),
             ((r, r.restarts) for r in self.replicas),
+        )
+
+    def _upstream_load(self) -> Iterator[Metric]:
+        """The load remote replicas' servers last reported (`UpstreamLoad`); only for those
+        that report one."""
+        now = time.monotonic()
+        loads = [(r, load) for r in self.replicas if (load := r.engine.load()) is not None]
+        series = [
+            ("running", "Requests its server reports running.", lambda u: u.running),
+            ("waiting", "Requests its server reports waiting.", lambda u: u.waiting),
+            ("others", "Of those, the requests other clients sent.", lambda u: u.others),
+            (
+                "batch_cap",
+                "The most it was seen to run with others waiting (0: not seen).",
+                lambda u: u.batch_cap,
+            ),  # fmt: skip
+            ("report_age_seconds", "Age of its server's last load report.", lambda u: now - u.at),
+            ("stale", "1 while that report is too old to route on.", lambda u: int(u.stale)),
+        ]
+        for name, doc, value in series:
+            yield self._gauge(f"serving_upstream_{name}", doc, ((r, value(u)) for r, u in loads))
+        yield self._gauge(
+            "serving_upstream_kv_usage",
+            "Share of its server's KV cache in use, where it reports it.",
+            ((r, u.kv_usage) for r, u in loads if u.kv_usage is not None),
         )
 
     @classmethod

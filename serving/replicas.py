@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from config import Deployment, ReplicaConfig
+from router.admission import OUTPUT_TOKENS_WITHOUT_MAX
 from router.view import ClusterView, ReplicaState
 from serving.engines.base import Engine
 
@@ -187,19 +188,25 @@ class ReplicaSet:
     def view(self, model: str | None = None, exclude: Collection[str] = ()) -> ClusterView:
         """The live state. With `model`, only that model's replicas count as available; replicas
         named in `exclude` never do."""
-        return ClusterView(
-            tuple(
-                ReplicaState(
-                    name=r.name,
-                    model=r.model,
-                    running=r.running,
-                    available=r.engine.healthy()
-                    and model in (None, r.model)
-                    and r.name not in exclude,
-                    owed=r.owed,
-                )
-                for r in self.replicas
-            )
+        return ClusterView(tuple(self._state(r, model, exclude) for r in self.replicas))
+
+    @staticmethod
+    def _state(r: Replica, model: str | None, exclude: Collection[str]) -> ReplicaState:
+        """One replica's state: the gateway's exact count of its own requests, plus those its
+        server reports from other clients, where it reports and the report is fresh."""
+        available = r.engine.healthy() and model in (None, r.model) and r.name not in exclude
+        load = r.engine.load()
+        if load is None or load.stale:
+            return ReplicaState(r.name, r.model, r.running, available, r.owed)
+        # Other clients' requests are taken to owe what this gateway's own do on average.
+        each = r.owed // r.running if r.running else OUTPUT_TOKENS_WITHOUT_MAX
+        return ReplicaState(
+            r.name,
+            r.model,
+            r.running + load.others,
+            available,
+            r.owed + load.others * each,
+            load.batch_cap,
         )
 
     def __getitem__(self, index: int) -> Replica:

@@ -348,8 +348,9 @@ class SessionServers:
             str(ROOT / ".models/tiny-s"), "--served-model-name", "tiny-s",
             "--port", str(self.upstream_port), "--chat-template", str(template),
             "--enforce-eager", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(256 * 2**20), "--disable-log-stats",
+            "--kv-cache-memory-bytes", str(256 * 2**20),
         ]  # fmt: skip
+        # Stats stay on (vLLM's default): without them its /metrics has no load for the gateway.
         # Not pinned to the core vLLM gives the embedded engines: it can move off a busy core.
         # Dev mode serves /pause and /resume (tests/test_remote.py pauses it mid-stream).
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind",

@@ -193,6 +193,9 @@ class _Stalled:
     def unfinished(self) -> int:
         return 0
 
+    def load(self) -> None:
+        return None
+
     async def close(self) -> None:
         pass
 

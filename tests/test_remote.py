@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from collections.abc import Callable
 
 import httpx
@@ -33,6 +34,35 @@ def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: 
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 4
     assert chunks[-1].usage.completion_tokens == 8
     assert json.loads(chunks[0].model_dump_json())["replica"] == f"127.0.0.1:{upstream.port}/tiny-s"
+
+
+def test_load_another_client_puts_on_vllm_serve_reaches_the_gateways_view(
+    remote_server: Server, upstream: Server
+) -> None:
+    labels = {"replica": f"127.0.0.1:{upstream.port}/tiny-s", "model": "tiny-s"}
+    stop = threading.Event()
+
+    def other_client() -> None:
+        body = {"model": "tiny-s", "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", upstream.url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return  # closing the stream aborts it in vLLM
+
+    thread = threading.Thread(target=other_client)
+    thread.start()
+    try:
+        wait_until(
+            lambda: remote_server.metric("serving_upstream_others", **labels) == 1,
+            60,
+            "the gateway to see the other client's request in vLLM's /metrics",
+        )
+        assert remote_server.metric("serving_upstream_stale", **labels) == 0
+        assert remote_server.metric("serving_replica_in_flight", **labels) == 0
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def test_remote_rejection_keeps_its_status_and_message(remote_server: Server) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from workloads import Request
 
@@ -74,6 +74,25 @@ UNFINISHED = frozenset({"abort", "error"})
 engine fault). They are no answer's end: the gateway turns them into an engine error."""
 
 
+class UpstreamLoad(NamedTuple):
+    """What an engine's own server last reported of its load (a `vllm serve`'s /metrics), where
+    other clients may share it: the gateway's exact count covers only its own requests."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None
+    """The share of its KV cache in use (0 to 1), where it says."""
+    others: int
+    """Of running + waiting, the requests this gateway did not send, as of the report."""
+    batch_cap: int
+    """The most requests it was last seen to run while others waited: its `max_num_seqs`, or
+    what its KV cache holds. 0 until requests were seen waiting."""
+    at: float
+    """When it came (`time.monotonic()`)."""
+    stale: bool = False
+    """No report came since for too long: the numbers are the last ones, not to be trusted."""
+
+
 class InvalidRequest(Exception):
     """The request cannot be served as asked (a 4xx): too long for the context, bad parameters."""
 
@@ -120,6 +139,11 @@ class Engine(Protocol):
 
     def unfinished(self) -> int:
         """Requests the engine itself still holds, as it counts them."""
+        ...
+
+    def load(self) -> UpstreamLoad | None:
+        """What the engine's server reports of its load; None where the gateway's own count is
+        the whole of it (engines in this process), or before the first report."""
         ...
 
     async def close(self) -> None: ...

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -27,6 +31,7 @@ from serving.engines.base import (
     InvalidRequest,
     Sampling,
     TokenDelta,
+    UpstreamLoad,
 )
 from workloads import Request, TokenIds
 
@@ -36,6 +41,24 @@ KEEPALIVE_S = 4.0
 """Idle pooled connections are closed after this: under the 5 s after which vLLM's server
 (uvicorn's `timeout_keep_alive`) closes them, so a request never goes out on a connection the
 upstream is closing."""
+
+STALE_SCRAPES = 10
+"""A server's load report is stale, and no longer trusted, once this many scrape intervals have
+passed without a new one (1 s at the default 0.1 s)."""
+
+CAP_REPORTS = 10
+"""The batch cap is the most requests seen running in the last this many reports that had
+requests waiting: one report taken while a finished request's slot was being handed on reads
+one short, and a server restarted with a smaller cap is believed after this many."""
+
+_LOAD_LINE = re.compile(
+    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc)"
+    rb"(\{[^}\n]*\})? ([^ \n]+)",
+    re.MULTILINE,
+)
+"""The few series of vLLM's /metrics read here (`gpu_cache_usage_perc` is the KV cache's older
+name), with labels and value. One regular expression over the whole text: vLLM's exposition is
+tens of kilobytes of histograms, which prometheus_client's parser would read in full."""
 
 
 class WrongModel(Exception):
@@ -92,6 +115,12 @@ class RemoteEngine:
         self._watch: asyncio.Task[None] | None = None
         self._healthy = False
         self._open: dict[str, _Open] = {}
+        origin = urlsplit(self._url)
+        self._metrics_url = f"{origin.scheme}://{origin.netloc}/metrics"
+        self._model_label = f'model_name="{config.served_name}"'.encode()
+        self._load: UpstreamLoad | None = None
+        self._caps: deque[int] = deque(maxlen=CAP_REPORTS)
+        self._scrape: asyncio.Task[None] | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -127,6 +156,68 @@ class RemoteEngine:
         self._healthy = await self._reachable()
         if not self._healthy:
             log.warning("%s: %s does not answer", self.config.name, self.config.url)
+        if self.config.scrape_s > 0:
+            self._scrape = asyncio.create_task(self._scrape_load(), name=f"scrape {self._url}")
+
+    async def _scrape_load(self) -> None:
+        """Read the server's load from its /metrics every `scrape_s`, until cancelled; mark the
+        last report stale once none came for STALE_SCRAPES intervals."""
+        interval = self.config.scrape_s
+        stale_after = STALE_SCRAPES * interval
+        timeout = aiohttp.ClientTimeout(total=stale_after)
+        while True:
+            started = time.monotonic()
+            try:
+                async with self.session.get(self._metrics_url, timeout=timeout) as response:
+                    body = await response.read() if response.status == 200 else b""
+            except (TimeoutError, aiohttp.ClientError):
+                body = b""
+            now = time.monotonic()
+            load = self._parse_load(body, now) if body else None
+            if load is not None:
+                if self._load is not None and self._load.stale:
+                    log.info("%s: load reports from %s again", self.config.name, self._metrics_url)
+                self._load = load
+            elif (
+                self._load is not None
+                and not self._load.stale
+                and now - self._load.at > stale_after
+            ):
+                log.warning(
+                    "%s: no load report from %s for %.1f s; routing on this gateway's own count",
+                    self.config.name,
+                    self._metrics_url,
+                    now - self._load.at,
+                )
+                self._load = self._load._replace(stale=True)
+            await asyncio.sleep(max(0.0, interval - (now - started)))
+
+    def _parse_load(self, body: bytes, now: float) -> UpstreamLoad | None:
+        """The load in a /metrics text, summed over the server's engines; None if it has none
+        (a server that is not vLLM, or one run with --disable-log-stats)."""
+        counts = {b"num_requests_running": 0, b"num_requests_waiting": 0}
+        kv_usage: float | None = None
+        seen = False
+        for match in _LOAD_LINE.finditer(body):
+            name, labels, value = match.groups()
+            if labels and b"model_name=" in labels and self._model_label not in labels:
+                continue  # another model of the same server
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            seen = True
+            if name in counts:
+                counts[name] += int(number)
+            else:
+                kv_usage = max(kv_usage or 0.0, number)
+        if not seen:
+            return None
+        running, waiting = counts[b"num_requests_running"], counts[b"num_requests_waiting"]
+        if waiting:
+            self._caps.append(running)
+        others = max(0, running + waiting - len(self._open))
+        return UpstreamLoad(running, waiting, kv_usage, others, max(self._caps, default=0), now)
 
     async def recover(self) -> None:
         if not await self._reachable():
@@ -272,10 +363,14 @@ class RemoteEngine:
     def unfinished(self) -> int:
         return len(self._open)
 
+    def load(self) -> UpstreamLoad | None:
+        return self._load
+
     async def close(self) -> None:
         self._healthy = False
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._scrape):
+            if task is not None:
+                task.cancel()
         if self._session is not None:
             await self._session.close()
 

@@ -174,6 +174,9 @@ class SimulatedEngine:
     def unfinished(self) -> int:
         return self._batch.in_flight
 
+    def load(self) -> None:
+        return None  # in this process: the gateway counts every request it holds
+
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
         if not self.healthy() or self._prompts is None:
             raise EngineUnavailable(f"{self.config.name}: not running")

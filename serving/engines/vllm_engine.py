@@ -287,6 +287,9 @@ class VllmEngine:
     def unfinished(self) -> int:
         return self._llm.get_num_unfinished_requests() if self._llm is not None else 0
 
+    def load(self) -> None:
+        return None  # in this process: the gateway counts every request it holds
+
     async def recover(self) -> None:
         """Replace a dead engine with a new one on the same cores.
 
