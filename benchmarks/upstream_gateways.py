@@ -19,6 +19,7 @@ gateway CPU per request, each the median over the rounds.
 
     python -m benchmarks.upstream_gateways --install-peers          # 20, 80, 200 req/s, 3 rounds
     python -m benchmarks.upstream_gateways --rates 40 --rounds 1 --gateways ours,direct
+    python -m benchmarks.upstream_gateways --upstream vllm --rates 2 --rounds 2 --duration 30
 """
 
 from __future__ import annotations
@@ -63,6 +64,43 @@ def remote_config(folder: Path, urls: list[str]) -> Path:
     path = folder / "models.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def start_upstreams(
+    stack: ExitStack, folder: Path, paces: list[tuple[float, float]], max_num_seqs: int = 0
+) -> list[str]:
+    """Null upstreams, one per (first-token ms, token-gap ms), on CPU 1 where there is one;
+    stopped when `stack` closes. Their URLs."""
+    urls = []
+    for i, (first_ms, gap_ms) in enumerate(paces):
+        port = free_port()
+        command = [sys.executable, "-m", "workloads.null_server", "--port", str(port),
+                   "--h3-port", "0", "--model", MODEL, "--max-num-seqs", str(max_num_seqs),
+                   "--first-token-ms", str(first_ms), "--token-gap-ms", str(gap_ms)]  # fmt: skip
+        upstream = launch(f"null-{i}", command, port, "/health", folder / f"null-{i}.log",
+                          cpus={1} if (os.cpu_count() or 1) > 1 else None)  # fmt: skip
+        stack.enter_context(upstream.ready(60))
+        urls.append(upstream.url)
+    return urls
+
+
+def start_vllm_upstream(stack: ExitStack, folder: Path) -> list[str]:
+    """One real `vllm serve` of the embedded tiny-s (CPU build), served as MODEL, on CPU 1 where
+    there is one; stopped when `stack` closes. Its URL."""
+    subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
+    template = folder / "chat_template.jinja"
+    template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
+    port = free_port()
+    # By its module: the CPU build's `vllm` command looks up a distribution named `vllm` and dies.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", MODEL,
+               "--port", str(port), "--chat-template", str(template), "--enforce-eager",
+               "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 * 2**20)]  # fmt: skip
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    upstream = launch("vllm-serve", command, port, "/health", folder / "vllm-serve.log", env,
+                      cpus={1} if (os.cpu_count() or 1) > 1 else None)  # fmt: skip
+    stack.enter_context(upstream.ready(600))
+    return [upstream.url]
 
 
 def start_gateway(
@@ -117,21 +155,17 @@ def bench(url: str, rate: float, args: argparse.Namespace, out: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.install_peers:
+        install_peers(args.peers_venv)
     rows: list[dict] = []
     folder = args.out
     folder.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        urls = []
-        for i in range(args.upstreams):
-            port = free_port()
-            command = [sys.executable, "-m", "workloads.null_server", "--port", str(port),
-                       "--h3-port", "0", "--model", MODEL,
-                       "--first-token-ms", str(args.first_token_ms),
-                       "--token-gap-ms", str(args.token_gap_ms)]  # fmt: skip
-            upstream = launch(f"null-{i}", command, port, "/health", folder / f"null-{i}.log",
-                              cpus={1} if (os.cpu_count() or 1) > 1 else None)  # fmt: skip
-            stack.enter_context(upstream.ready(60))
-            urls.append(upstream.url)
+        if args.upstream == "vllm":
+            urls = start_vllm_upstream(stack, folder)
+        else:
+            paces = [(args.first_token_ms, args.token_gap_ms)] * args.upstreams
+            urls = start_upstreams(stack, folder, paces)
         for round_ in range(args.rounds):
             for rate in args.rates:
                 direct = None
@@ -207,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     parser.add_argument("--gateways", default=",".join(GATEWAYS))
+    parser.add_argument(
+        "--upstream", choices=("null", "vllm"), default="null",
+        help="null: --upstreams null servers; vllm: one real `vllm serve` of the embedded tiny-s "
+        "(CPU), for a low rate",
+    )  # fmt: skip
     parser.add_argument("--upstreams", type=int, default=3)
     parser.add_argument("--first-token-ms", type=float, default=20.0)
     parser.add_argument("--token-gap-ms", type=float, default=10.0)
@@ -224,15 +263,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def report(out: Path, rows: list[dict], text: str) -> None:
+    """Write a run's rows and table under `out`, and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.install_peers:
-        install_peers(args.peers_venv)
     rows = run(args)
-    text = table(rows)
-    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
-    (args.out / "table.md").write_text(text + "\n")
-    print(text)
+    report(args.out, rows, table(rows))
     return 0
 
 

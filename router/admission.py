@@ -186,6 +186,8 @@ class DeadlineAdmission:
         self.pace = [1.0] * len(replicas)
         """Per replica: how slow its time per token has been against the profile's steps."""
         self._forgotten_at: float | None = None
+        self._seen_at = [-math.inf] * len(replicas)
+        """Per replica: when it last taught something (`_seen`)."""
 
     @classmethod
     def from_deployment(cls, deployment: Deployment) -> DeadlineAdmission:
@@ -289,7 +291,8 @@ class DeadlineAdmission:
         return prompt_tokens * self._prefill[index] + tokens * step
 
     def _forget(self, now: float) -> None:
-        """Let what was learned fade towards the profile, with time constant FORGET_S.
+        """Let what was learned of each replica fade towards the profile, with time constant
+        FORGET_S, from FORGET_S after its last observation.
 
         Observations come only from the replicas requests are sent to, and a replica whose
         scales grew in a bad minute may be sent none after it, so that nothing would ever tell
@@ -298,9 +301,12 @@ class DeadlineAdmission:
         anew. While requests come back from a replica (dozens a second under load), their
         moving average outweighs the fading by far."""
         if self._forgotten_at is not None and now > self._forgotten_at:
-            keep = math.exp(-(now - self._forgotten_at) / FORGET_S)
-            self.scale = [s**keep for s in self.scale]
-            self.pace = [p**keep for p in self.pace]
+            for i, seen in enumerate(self._seen_at):
+                since = max(self._forgotten_at, seen + FORGET_S)
+                if now > since:
+                    keep = math.exp(-(now - since) / FORGET_S)
+                    self.scale[i] **= keep
+                    self.pace[i] **= keep
         self._forgotten_at = now
 
     def expect(self, request: Request, view: ClusterView, index: int) -> Expected | None:
@@ -320,13 +326,22 @@ class DeadlineAdmission:
             # being sent where it waits out its deadline.
             lower = MISSED_RATIO * expected.first_token_s * self.scale[index]
             after_s = max(after_s, lower)
-        self.scale[index] = _learned(self.scale[index], expected.first_token_s, after_s)
+        self._seen(index)
+        self.scale[index] = _learned(
+            self.scale[index], expected.first_token_s, after_s, CALIBRATION_WEIGHT
+        )
 
     def observe_pace(self, index: int, expected: Expected, tpot_s: float) -> None:
-        self.pace[index] = _learned(self.pace[index], expected.step_s, tpot_s)
+        self._seen(index)
+        self.pace[index] = _learned(self.pace[index], expected.step_s, tpot_s, PACE_WEIGHT)
+
+    def _seen(self, index: int) -> None:
+        """Replica `index` taught something now (as of the latest check): its lessons are kept
+        for FORGET_S from here before they fade."""
+        self._seen_at[index] = self._forgotten_at or 0.0
 
 
-def _learned(scale: float, profiled: float, actual: float) -> float:
+def _learned(scale: float, profiled: float, actual: float, weight: float) -> float:
     """`scale`, a moving average of log(actual / profiled), with one more observation.
 
     Against the profile's own estimate, not the scaled one a request was dispatched with: a
@@ -336,9 +351,7 @@ def _learned(scale: float, profiled: float, actual: float) -> float:
     if profiled <= 0 or actual <= 0:
         return scale
     ratio = min(max(actual / profiled, 1 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
-    return math.exp(
-        (1 - CALIBRATION_WEIGHT) * math.log(scale) + CALIBRATION_WEIGHT * math.log(ratio)
-    )
+    return math.exp((1 - weight) * math.log(scale) + weight * math.log(ratio))
 
 
 UNPROFILED = ProfileModel(prefill_s_per_token=1e-4, step_s={1: 0.02})
@@ -349,12 +362,17 @@ of a request comes from the server's own report (`ReplicaState.batch_cap`, `runn
 
 CALIBRATION_WEIGHT = 0.05
 """The weight of one observation in a replica's moving average: about the last 20 count."""
+PACE_WEIGHT = 0.2
+"""The weight of one pace in a replica's moving average (about the last 5 count): a pace is the
+mean of many gaps, so one says more than a first token, whose wait is mostly queueing."""
 MISSED_RATIO = 2.0
 """A request that missed its deadline counts as having been at least this many times later than
 its estimate."""
 FORGET_S = 30.0
-"""What was learned of a replica fades towards its profile with this time constant (in log
-terms): to a third in 30 s without observations."""
+"""What was learned of a replica is kept for this long after its last observation, then fades
+towards its profile with this time constant (in log terms): to a third in another 30 s. Faded
+at once, a replica learned to be too slow for the SLO looked fit again within 5 s, and every
+request sent there until its pace came back missed the SLO."""
 CALIBRATION_LIMIT = 10.0
 """A scale, and any one ratio, stay within [1/10, 10]: a stalled or a cached request must not
 swing it far."""

@@ -342,6 +342,12 @@ _END = object()
 _RETRIED = "retried"
 """Not an outcome: the replica could not take the request, which goes on at another."""
 
+EARLY_PACE_TOKENS = 8
+"""After this many tokens a request tells admission control the pace it has had so far, as well
+as its whole pace when it ends: a replica that keeps a slower pace than the SLO allows is then
+known within a fraction of a second, not after a whole answer (seconds), while every request
+sent there meanwhile misses the SLO."""
+
 _DRAIN_S = 0.5
 """How long a finished generation waits for its engine stream to end by itself."""
 
@@ -474,7 +480,12 @@ class Generation:
                 self._feedback.first_token(now - self.record.routed, False)
         self._last_at = now
         self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
-        self.completion_tokens += item.tokens
+        before, self.completion_tokens = (
+            self.completion_tokens,
+            self.completion_tokens + item.tokens,
+        )
+        if before < EARLY_PACE_TOKENS <= self.completion_tokens and before:
+            self._feedback.pace((now - self._first_at) / (self.completion_tokens - 1))
         paid = min(item.tokens, self._owed)
         self._owed -= paid
         self.replica.owed -= paid

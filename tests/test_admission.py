@@ -228,8 +228,8 @@ async def test_a_gateway_whose_replicas_never_answer_learns_to_shed() -> None:
 
 def test_a_replica_that_was_slow_is_tried_again_after_a_while() -> None:
     # Learned to be 10 times slower than its profile: every free-tier request is shed. With
-    # nothing more to learn from (none is sent there), that fades, and a minute later one
-    # is let in again.
+    # nothing more to learn from (none is sent there), that is kept for 30 s, then fades, and a
+    # minute and a half later one is let in again.
     live = rule()
     idle = view((0, 0))
     expected = live.expect(request(), idle, 0)
@@ -238,7 +238,8 @@ def test_a_replica_that_was_slow_is_tried_again_after_a_while() -> None:
         live.observe_first_token(0, expected, 10 * expected.first_token_s)
     assert isinstance(live.check(request(arrival=0.0), idle, now=0.0), Shed)
     assert isinstance(live.check(request(arrival=10.0), idle, now=10.0), Shed)
-    assert live.check(request(arrival=60.0), idle, now=60.0) == idle
+    assert isinstance(live.check(request(arrival=30.0), idle, now=30.0), Shed)
+    assert live.check(request(arrival=90.0), idle, now=90.0) == idle
 
 
 def test_a_slow_pace_moves_requests_to_replicas_that_keep_the_slo() -> None:

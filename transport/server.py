@@ -43,12 +43,18 @@ from transport.tcpinfo import tcp_path
 logger = logging.getLogger(__name__)
 
 
-class AltSvc:
-    """Adds `alt-svc: h3=":PORT"` to every answer not already sent over HTTP/3."""
+def alt_svc_value(h3_port: int, max_age: int = 86400) -> str:
+    """The `alt-svc` header that points HTTP/1.1 and HTTP/2 clients at the HTTP/3 port."""
+    return f'h3=":{h3_port}"; ma={max_age}'
 
-    def __init__(self, app: ASGIApp, h3_port: int, max_age: int = 86400) -> None:
+
+class AltSvc:
+    """Adds `alt-svc: h3=":PORT"` to every answer not already sent over HTTP/3 (hypercorn's,
+    with TLS; uvicorn adds it as a default header)."""
+
+    def __init__(self, app: ASGIApp, h3_port: int) -> None:
         self.app = app
-        self.value = f'h3=":{h3_port}"; ma={max_age}'.encode()
+        self.value = alt_svc_value(h3_port).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("http_version") == "3":
@@ -262,9 +268,12 @@ class DualServer:
         return self
 
     async def _start_tcp(self) -> None:
-        app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
+        # uvicorn adds its default headers to every response itself: `AltSvc`'s wrapper of the
+        # app's sends would be one more call on every token of a stream.
+        alt_svc = [("alt-svc", alt_svc_value(self.udp_port))] if self.udp_port is not None else []
         config = uvicorn.Config(
-            app,
+            self.app,
+            headers=alt_svc,
             host=self.listen.host,
             port=self.listen.tcp_port or 0,
             lifespan="off",
