@@ -85,15 +85,16 @@ def start_upstreams(
 
 
 def start_vllm_upstream(stack: ExitStack, folder: Path) -> list[str]:
-    """One real `vllm serve` of the embedded tiny-s (CPU build), served as MODEL, on CPU 1 where
-    there is one; stopped when `stack` closes. Its URL."""
+    """One real `vllm serve` of the embedded tiny-s (CPU build), on CPU 1 where there is one;
+    stopped when `stack` closes. Its URL. It answers to MODEL, as our deployment's replicas ask
+    for it, and to ASKED, which the load asks for and the peers and `direct` pass on as is."""
     subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
     template = folder / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
     port = free_port()
     # By its module: the CPU build's `vllm` command looks up a distribution named `vllm` and dies.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", MODEL,
+               "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", MODEL, ASKED,
                "--port", str(port), "--chat-template", str(template), "--enforce-eager",
                "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 * 2**20)]  # fmt: skip
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

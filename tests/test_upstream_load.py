@@ -44,6 +44,11 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="up"} 7.0
 
 def test_the_load_is_read_from_vllms_exposition_for_the_served_model_only() -> None:
     engine = RemoteEngine(replica("http://127.0.0.1:1/v1"))
+    # Only those series are asked for: vLLM renders the rest (histograms, tens of KB) otherwise.
+    assert engine._metrics_url == (
+        "http://127.0.0.1:1/metrics?name[]=vllm:num_requests_running&name[]=vllm:"
+        "num_requests_waiting&name[]=vllm:kv_cache_usage_perc&name[]=vllm:gpu_cache_usage_perc"
+    )
     load = engine._parse_load(EXPOSITION, now=5.0)
     assert load is not None
     assert (load.running, load.waiting, load.others) == (7, 2, 9)  # both engines, "up" only

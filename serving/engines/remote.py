@@ -51,14 +51,19 @@ CAP_REPORTS = 10
 requests waiting: one report taken while a finished request's slot was being handed on reads
 one short, and a server restarted with a smaller cap is believed after this many."""
 
-_LOAD_LINE = re.compile(
-    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc)"
-    rb"(\{[^}\n]*\})? ([^ \n]+)",
-    re.MULTILINE,
+LOAD_SERIES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "gpu_cache_usage_perc",
 )
-"""The few series of vLLM's /metrics read here (`gpu_cache_usage_perc` is the KV cache's older
-name), with labels and value. One regular expression over the whole text: vLLM's exposition is
-tens of kilobytes of histograms, which prometheus_client's parser would read in full."""
+"""vLLM's series of its load read here (`gpu_cache_usage_perc`: the KV cache's older name)."""
+
+_LOAD_LINE = re.compile(
+    rb"^vllm:(" + "|".join(LOAD_SERIES).encode() + rb")(\{[^}\n]*\})? ([^ \n]+)", re.MULTILINE
+)
+"""A line of one of those series, with its labels and value: one regular expression over the
+text, where prometheus_client's parser would build every sample."""
 
 
 class WrongModel(Exception):
@@ -116,7 +121,13 @@ class RemoteEngine:
         self._healthy = False
         self._open: dict[str, _Open] = {}
         origin = urlsplit(self._url)
-        self._metrics_url = f"{origin.scheme}://{origin.netloc}/metrics"
+        # Only the series read here: vLLM's /metrics is prometheus_client's, which renders just
+        # the names asked for, where the whole exposition is tens of kilobytes of histograms,
+        # rendered by the upstream and read here ten times a second. A server that ignores
+        # the filter sends all of it, which reads the same.
+        self._metrics_url = f"{origin.scheme}://{origin.netloc}/metrics?" + "&".join(
+            f"name[]=vllm:{name}" for name in LOAD_SERIES
+        )
         self._model_label = f'model_name="{config.served_name}"'.encode()
         self._load: UpstreamLoad | None = None
         self._caps: deque[int] = deque(maxlen=CAP_REPORTS)
