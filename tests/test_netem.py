@@ -67,16 +67,20 @@ def test_tcp_goodput_is_the_configured_rate() -> None:
     assert measured == pytest.approx(10.0, rel=0.10)
 
 
-def test_iid_loss_is_the_configured_share() -> None:
-    with emulated(LinkConfig(rate_bps=100e6, delay_s=0.002, loss=0.02, seed=3)) as net:
+def test_iid_loss_is_the_configured_share(tmp_path: Path) -> None:
+    stats = tmp_path / "link.json"
+    link = LinkConfig(rate_bps=100e6, delay_s=0.002, loss=0.02, seed=3)
+    with Netem(link, stats_path=stats) as net:
+        net.popen(net.server, [*PROBE, "serve"], cwd=ROOT)
         measured = probe(net, "loss", "--count", "20000", "--rate", "5000")["loss"]
-    # The seeded model drops 2%. At 20,000 datagrams a second, on two cores busy with the rest
-    # of the suite, runs measured 2.3% (CI), 2.7% and 5.8%: the probe server counted datagrams
-    # its starved thread had not read yet (it now reads them first), and a forwarder starved
-    # for half a second overflows the TUN queue's 10,000 packets, which at 5,000 a second takes
-    # two. Under three busy loops on this 2-core machine, 20,000 a second still gave 7.6% once
-    # in four runs, 5,000 a second 2.0% in all four.
-    assert 0.018 <= measured <= 0.025
+    # The link drops its share of what it is offered; that is the model, and exact to sampling.
+    directions = json.loads(stats.read_text())["directions"].values()
+    offered = sum(d["sent"] + d["dropped"] for d in directions)
+    assert sum(d["dropped"] for d in directions) / offered == pytest.approx(0.02, abs=0.002)
+    # End to end the probe sees at least that. It may see more, never by design: on two cores
+    # busy with the rest of the suite, runs measured 2.3%, 2.6% (CI), 2.7% and 5.8% (a starved
+    # forwarder overflows the TUN queue), so the upper bound is loose.
+    assert 0.018 <= measured <= 0.08
 
 
 def test_gilbert_elliott_slots_give_their_mean_loss() -> None:
