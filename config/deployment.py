@@ -144,7 +144,7 @@ class Deployment:
     @property
     def remote(self) -> bool:
         """Every replica is a server behind a URL."""
-        return all(r.url is not None for r in self.replicas)
+        return _all_remote(self.replicas)
 
     @property
     def max_batch(self) -> int | None:
@@ -226,9 +226,7 @@ def resolve(
         },
         policy=_policy(dep.policy, Path(base_dir)),
         profile=_profile(spec, dep.profile, simulation),
-        admission=_admission(
-            name, dep.admission, dep.profile, all(r.url is not None for r in replicas)
-        ),
+        admission=_admission(name, dep.admission, dep.profile, _all_remote(replicas)),
         simulation=simulation,
         paths=spec.path_mixes[dep.paths] if dep.paths is not None else None,
         path_mix=dep.paths,
@@ -278,6 +276,17 @@ def _scaled(profile: Profile, factor: float) -> Profile:
     return profile.model_copy(
         update={"models": models, "how": f"{profile.how} Times scaled by {factor:g}."}
     )
+
+
+def _scrape_s(given: float | None, url: str | None) -> float:
+    """How often a replica's /metrics is read: as given, else the default for a remote one."""
+    if given is not None:
+        return given
+    return DEFAULT_SCRAPE_S if url is not None else 0.0
+
+
+def _all_remote(replicas: list[ReplicaConfig]) -> bool:
+    return all(r.url is not None for r in replicas)
 
 
 def _admission(
@@ -350,9 +359,7 @@ def _replicas(
                     chat_template=model.chat_template,
                     fallback_chat_template=spec.chat_template,
                     build=model.build,
-                    scrape_s=entry.scrape_s
-                    if entry.scrape_s is not None
-                    else DEFAULT_SCRAPE_S * bool(url),
+                    scrape_s=_scrape_s(entry.scrape_s, url),
                 )
             )
     names = [r.name for r in replicas]

@@ -480,11 +480,9 @@ class Generation:
                 self._feedback.first_token(now - self.record.routed, False)
         self._last_at = now
         self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
-        before, self.completion_tokens = (
-            self.completion_tokens,
-            self.completion_tokens + item.tokens,
-        )
-        if before < EARLY_PACE_TOKENS <= self.completion_tokens and before:
+        before = self.completion_tokens
+        self.completion_tokens += item.tokens
+        if 0 < before < EARLY_PACE_TOKENS <= self.completion_tokens:
             self._feedback.pace((now - self._first_at) / (self.completion_tokens - 1))
         paid = min(item.tokens, self._owed)
         self._owed -= paid

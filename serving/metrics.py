@@ -235,11 +235,7 @@ class _ReplicaCollector(Collector):
             ("running", "Requests its server reports running.", lambda u: u.running),
             ("waiting", "Requests its server reports waiting.", lambda u: u.waiting),
             ("others", "Of those, the requests other clients sent.", lambda u: u.others),
-            (
-                "batch_cap",
-                "The most it was seen to run with others waiting (0: not seen).",
-                lambda u: u.batch_cap,
-            ),  # fmt: skip
+            ("batch_cap", "The most it ran with others waiting.", lambda u: u.batch_cap),
             ("report_age_seconds", "Age of its server's last load report.", lambda u: now - u.at),
             ("stale", "1 while that report is too old to route on.", lambda u: int(u.stale)),
         ]

@@ -144,6 +144,19 @@ async def test_oversized_body_gets_413(server: Server) -> None:
         assert ok.status == 200
 
 
+async def test_a_body_longer_than_it_declared_still_gets_413(server: Server) -> None:
+    # The HTTP/3 server passes on every DATA frame whatever content-length said, so the limit
+    # must count what arrives, not trust the header.
+    async with h3_client(server) as client:
+        response = await client.request(
+            "POST",
+            "/v1/chat/completions",
+            {"content-type": "application/json", "content-length": "2"},
+            b"{" + b" " * (5 * 2**20) + b"}",
+        )
+        assert response.status == 413
+
+
 async def test_malformed_json_over_http3_gets_400(server: Server) -> None:
     async with h3_client(server) as client:
         response = await client.request(

@@ -32,12 +32,6 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._refuse(scope, send)
             return
-        if declared is not None:
-            # The server reads no more than the declared length, so there is nothing to count,
-            # and the app's sends go straight through: a streamed answer's every token passes
-            # each wrapper in the chain.
-            await self.app(scope, receive, send)
-            return
         received = 0
         refused = False
 
