@@ -214,7 +214,9 @@ def table(rows: list[dict]) -> str:
         def median(field: str, rows: list[dict] = mine) -> float:
             return statistics.median(r[field] for r in rows if r[field] is not None)
 
-        added = "" if name == "direct" else f"{median('added_ttft_ms'):+.1f} ms"
+        # Added TTFT needs a `direct` run in the same round; a run without one leaves it blank.
+        measured = any(r["added_ttft_ms"] is not None for r in mine)
+        added = f"{median('added_ttft_ms'):+.1f} ms" if measured else ""
         cpu = "" if name == "direct" else f"{median('cpu_ms_per_request'):.2f} ms"
         cores = "" if name == "direct" else f"{median('cores'):.2f}"
         lines.append(
