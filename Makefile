@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEPLOYMENT ?= embedded
 PORT ?= 8000
+WORKERS ?= 1
 
 .PHONY: setup serve test test-fast browser lint bench clean
 
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $@
 
 serve: setup
-	$(PY) -m serving --deployment $(DEPLOYMENT) --port $(PORT)
+	$(PY) -m serving --deployment $(DEPLOYMENT) --port $(PORT) --workers $(WORKERS)
 
 # Every test that starts no vLLM engine, no network namespace and no browser (tests/conftest.py
 # marks each from the fixtures it uses). A module's tests stay on one worker, so that its servers

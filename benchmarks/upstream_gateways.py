@@ -9,13 +9,15 @@ each gateway in turn:
 - `sglang-router` and `vllm-router` (Rust), from a virtual environment of their own
   (`--peers-venv`; `--install-peers` makes it with pip; a gateway whose venv lacks it is skipped
   with a note);
-- `direct`: the load straight at one upstream, the baseline for the added TTFT.
+- `direct`: the load straight at one upstream, the baseline for the added TTFT;
+- `ours-2w` (not run unless named): `ours` with `--workers 2`, both workers on the one core.
 
 Each gateway is pinned to CPU 0 and the load generator, `vllm bench serve` (128 tokens in, 64
 out, chat), to the others. Rounds interleave the gateways, so that the machine's drift falls on
-all of them alike. Gateway CPU is read from /proc over each run. The table: achieved rate,
-failures, median and p99 TTFT, the median TTFT added over `direct` in the same round, and
-gateway CPU per request, each the median over the rounds.
+all of them alike. Gateway CPU (the process and its children) is read from /proc over each
+run. The table: achieved rate, failures, median and p99 TTFT, the median TTFT added over
+`direct` in the same round, and gateway CPU per request, each the median over the rounds. For
+`ours-2w`, the requests each worker served.
 
     python -m benchmarks.upstream_gateways --install-peers          # 20, 80, 200 req/s, 3 rounds
     python -m benchmarks.upstream_gateways --rates 40 --rounds 1 --gateways ours,direct
@@ -31,12 +33,13 @@ import socket
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
 
-from experiments.live import VLLM_BENCH, cpu_seconds
+from experiments.live import VLLM_BENCH, tree_cpu_seconds
 from serving.launch import ROOT, Launched, free_port, launch
 
 MODEL = "null"
@@ -44,7 +47,8 @@ MODEL = "null"
 ASKED = "opt-125m"
 """What the load asks for: the model of our deployment's replicas; the upstreams ignore it and the
 peers pass it through."""
-GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
+GATEWAYS = ("direct", "ours", "ours-2w", "sglang-router", "vllm-router")
+DEFAULT_GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
 
 
 def remote_config(folder: Path, urls: list[str]) -> Path:
@@ -109,12 +113,14 @@ def start_gateway(
 ) -> Launched | None:
     port = free_port()
     log = folder / f"{name}.log"
-    if name == "ours":
+    if name.startswith("ours"):
         config = remote_config(folder, urls)
         command = [sys.executable, "-m", "serving", "--config", str(config),
                    "--deployment", "bench-upstreams", "--port", str(port),
                    "--h3-port", str(free_port(socket.SOCK_DGRAM)),
-                   "--request-log", str(folder / "requests.jsonl")]  # fmt: skip
+                   "--request-log", str(folder / f"requests-{name}.jsonl")]  # fmt: skip
+        if name == "ours-2w":
+            command += ["--workers", "2"]
         ready = "/readyz"
     else:
         binary = {
@@ -176,11 +182,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                         continue
                     url = urls[0] if gateway is None else gateway.url
                     pid = gateway.pid if gateway is not None else None
-                    before = cpu_seconds(pid) if pid else 0.0
+                    before = tree_cpu_seconds(pid) if pid else 0.0
                     try:
                         record = bench(url, rate, args, folder / f"{name}-r{rate:g}-{round_}.json")
                     finally:
-                        used = cpu_seconds(pid) - before if pid else 0.0
+                        used = tree_cpu_seconds(pid) - before if pid else 0.0
                         if gateway is not None:
                             gateway.stop()
                     row = {
@@ -198,6 +204,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row["added_ttft_ms"] = (
                         row["median_ttft_ms"] - direct["median_ttft_ms"] if direct else None
                     )
+                    if name == "ours-2w":
+                        row["per_worker"] = per_worker(folder / f"requests-{name}.jsonl")
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     return rows
@@ -225,6 +233,11 @@ def table(rows: list[dict]) -> str:
             f"| {median('median_ttft_ms'):.1f} ms | {median('p99_ttft_ms'):.1f} ms | {added} "
             f"| {cpu} | {cores} |"
         )  # fmt: skip
+    for row in rows:
+        if "per_worker" in row:
+            split = ", ".join(f"worker {w}: {n}" for w, n in row["per_worker"].items())
+            lines.append(f"\n{row['gateway']} at {row['rate']:g} req/s, round {row['round']}: "
+                         f"{split}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -243,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default="20,80,200", help="req/s, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
-    parser.add_argument("--gateways", default=",".join(GATEWAYS))
+    parser.add_argument("--gateways", default=",".join(DEFAULT_GATEWAYS))
     parser.add_argument(
         "--upstream", choices=("null", "vllm"), default="null",
         help="null: --upstreams null servers; vllm: one real `vllm serve` of the embedded tiny-s "
@@ -264,6 +277,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "direct" in args.gateways:  # first in each round: the others' added TTFT is against it
         args.gateways = ["direct", *[g for g in args.gateways if g != "direct"]]
     return args
+
+
+def per_worker(request_log: Path) -> dict[int, int]:
+    """The requests each worker served in the run just ended, from the request log, which is
+    then removed so that the next run counts from nothing."""
+    served = Counter(json.loads(line)["worker"] for line in request_log.read_text().splitlines())
+    request_log.unlink()
+    return dict(sorted(served.items()))
 
 
 def report(out: Path, rows: list[dict], text: str) -> None:

@@ -15,6 +15,7 @@ from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import QosClassifier
 from transport.server import DualServer, serve_forever
+from transport.workers import supervise
 
 
 def main() -> int:
@@ -67,12 +68,20 @@ def main() -> int:
             deployment = deployment.with_time_scale(args.time_scale)
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.workers > 1:
+        if not deployment.remote:
+            parser.error(
+                f"--workers {args.workers}: deployment {deployment.name!r} runs its engines in "
+                "this process, and each worker would start its own; several workers need engines "
+                "outside the front-end, a deployment of remote replicas (a `vllm serve` each)"
+            )
+        return supervise("serving", sys.argv[1:], setup.listen, args.workers)
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
     try:
-        app = build_app(deployment, args.policy, args.max_body_bytes)
+        app = build_app(deployment, args.policy, args.max_body_bytes, args.worker_index)
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier

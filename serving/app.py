@@ -23,12 +23,17 @@ from transport.qos import QosClassifier, TagRequests
 
 
 def build_app(
-    deployment: Deployment, policy: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    deployment: Deployment,
+    policy: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    worker: int | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
-    `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start."""
+    `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
+    `worker`: this process's index among `--workers`, which its request log names."""
     replicas = ReplicaSet.from_deployment(deployment)
-    gateway = Gateway(deployment, replicas, make_policy(deployment, policy), Metrics(replicas))
+    metrics = Metrics(replicas, worker)
+    gateway = Gateway(deployment, replicas, make_policy(deployment, policy), metrics)
     classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager

@@ -44,7 +44,9 @@ request_log = logging.getLogger("serving.requests")
 
 
 class Metrics:
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, replicas: ReplicaSet, worker: int | None = None) -> None:
+        self.worker = worker
+        """This process's index among `--workers` (None: the only one), for the request log."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "serving_requests",
@@ -174,7 +176,7 @@ class Metrics:
         if record.client_rtt_s is not None:
             self.client_rtt.labels(record.protocol or "none").observe(record.client_rtt_s)
         if request_log.isEnabledFor(logging.INFO):
-            request_log.info(record.line(outcome, slo_met))
+            request_log.info(record.line(outcome, slo_met, self.worker))
 
     async def watch_loop_lag(self, interval_s: float = 0.05) -> None:
         """Sample how late the event loop runs a timer, until cancelled."""

@@ -58,7 +58,7 @@ class RequestRecord:
             return None
         return (self.last_token - self.first_token) / (self.tokens - 1)
 
-    def line(self, outcome: str, slo_met: bool) -> str:
+    def line(self, outcome: str, slo_met: bool, worker: int | None = None) -> str:
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else round(end - start, 6)
 
@@ -84,6 +84,7 @@ class RequestRecord:
                 "client_loss": self.client_loss,
                 "outcome": outcome,
                 "slo_met": slo_met,
+                "worker": worker,
             },
             separators=(",", ":"),
         )

@@ -524,3 +524,24 @@ def quic_pair(scheduler: str = "fcfs") -> tuple[ScheduledQuicConnection, Schedul
         scheduler=scheduler,
     )
     return client, server
+
+
+@pytest.fixture(scope="module")
+def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A `vllm serve`-shaped null upstream serving `up` (`workloads.null_server`): first token at
+    20 ms, then one every 10 ms."""
+    port = free_port()
+    folder = tmp_path_factory.mktemp("upstream")
+    command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
+               "--model", "up", "--first-token-ms", "20", "--token-gap-ms", "10"]  # fmt: skip
+    null = launch("null-upstream", command, port, "/health", folder)
+    yield null.wait_ready()
+    null.stop()
+
+
+def null_remote_config(folder: Path, upstream: Server) -> Path:
+    """A test config whose deployment `null_remote` is one remote replica of tiny-s: `upstream`
+    serving it as `up`."""
+    placement = [{"model": "tiny-s", "url": upstream.url + "/v1", "served_name": "up"}]
+    deployment = {"placement": "null_remote", "policy": {"name": "least-load"}}
+    return test_config(folder, null_remote=(placement, deployment))

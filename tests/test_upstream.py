@@ -13,32 +13,16 @@ import httpx
 import pytest
 
 from serving.launch import free_port
-from tests.conftest import PYTHON, Server, launch, serving_command
-from tests.conftest import test_config as write_config
+from tests.conftest import Server, launch, null_remote_config, serving_command
 from tests.test_api import sse_events
 
 ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}
 
 
 @pytest.fixture(scope="module")
-def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = free_port()
-    folder = tmp_path_factory.mktemp("upstream")
-    command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
-               "--model", "up", "--first-token-ms", "20", "--token-gap-ms", "10"]  # fmt: skip
-    null = launch("null-upstream", command, port, "/health", folder)
-    yield null.wait_ready()
-    null.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("gateway")
-    placement = [{"model": "tiny-s", "url": null_upstream.url + "/v1", "served_name": "up"}]
-    config = write_config(
-        folder,
-        null_remote=(placement, {"placement": "null_remote", "policy": {"name": "least-load"}}),
-    )
+    config = null_remote_config(folder, null_upstream)
     port = free_port()
     command = serving_command(config, "null_remote", port, "--h3-port", "0")
     server = launch("null-gateway", command, port, "/readyz", folder)

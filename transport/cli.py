@@ -19,6 +19,7 @@ from transport.qos import Tagger
 from transport.schedulers import SCHEDULERS
 from transport.server import Listen
 from transport.tls import ensure_certificate
+from transport.workers import add_worker_arguments, as_worker
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_port: int) -> None:
@@ -68,6 +69,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
         "finish before they are cut; a second signal cuts at once (default: %(default)s)",
     )
     parser.add_argument("--log-level", default="info")
+    add_worker_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,10 @@ class ServerSetup:
 def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerSetup:
     """Logging, the deployment, the certificate and the ports; exits with status 2 and one line
     on the first problem."""
+    worker = "" if args.worker_index is None else f"[worker {args.worker_index}] "
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s",
     )
     try:
         deployment = load_deployment(args.config, args.deployment, getattr(args, "paths", None))
@@ -112,11 +116,16 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         parser.exit(2, "error: --flush-ms must be between 0 and 100\n")
     if not args.drain_s >= 0:
         parser.exit(2, "error: --drain-s must be at least 0\n")
+    if args.workers < 1:
+        parser.exit(2, "error: --workers must be at least 1\n")
     for kind, port in (("tcp", args.port), ("udp", args.h3_port)):
-        if port and (problem := cannot_listen(args.host, port, kind)):
+        # A worker's ports are its supervisor's, bound and checked there.
+        if port and args.worker_index is None and (problem := cannot_listen(args.host, port, kind)):
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
     listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s, args.tls)
+    if args.worker_index is not None:
+        listen = as_worker(listen, args)
     return ServerSetup(
         deployment,
         listen,

@@ -762,11 +762,17 @@ def udp_transport(endpoint: QuicConnectionProtocol | QuicServer) -> asyncio.Data
     return transport
 
 
-async def serve_quic(host: str, port: int, **server_options: Any) -> QuicServer:
+async def serve_quic(
+    host: str, port: int, sock: socket.socket | None = None, **server_options: Any
+) -> QuicServer:
     """aioquic's `serve` on a `transport.udp` transport: aioquic's takes no transport of ours.
+    On `sock` where given (a UDP socket bound to `host:port`), else on one bound here.
     `server_options` are QuicServer's."""
     server = QuicServer(**server_options)
-    await open_udp(server, host, port)
+    if sock is None:
+        await open_udp(server, host, port)
+    else:
+        BatchedDatagramTransport(asyncio.get_running_loop(), sock, server)
     return server
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import suppress
@@ -309,6 +310,7 @@ def main() -> int:
     from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
     from transport.qos import QosClassifier, TagRequests
     from transport.server import DualServer, serve_forever
+    from transport.workers import supervise
 
     parser = argparse.ArgumentParser(prog="python -m transport.frontend", description=__doc__)
     add_server_arguments(parser, tcp_port=8001, udp_port=8444)
@@ -334,6 +336,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     setup = prepare(parser, args)
+    if args.workers > 1:
+        if args.masque:
+            parser.error("--masque: the MASQUE proxy runs in one process, not with --workers")
+        return supervise("transport.frontend", sys.argv[1:], setup.listen, args.workers)
     masque = _masque_proxy(parser, args, setup) if args.masque else None
     classifier = QosClassifier.from_deployment(setup.deployment)
     edge_key = classifier.edge_key()

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,12 +188,14 @@ class Http3Server:
         self._server: QuicServer | None = None
         self.port: int | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
+        """Serve on `host:port`, or on `sock`, a UDP socket already bound there."""
+
         def create_protocol(connection: Any, **kwargs: Any) -> _Http3Protocol:
             return _Http3Protocol(adopt(connection, self.settings.scheduler), self, **kwargs)
 
         self._server = await serve_quic(
-            host, port, configuration=self.settings.quic_configuration(),
+            host, port, sock, configuration=self.settings.quic_configuration(),
             create_protocol=create_protocol,
         )  # fmt: skip
         self.port = udp_transport(self._server).get_extra_info("sockname")[1]

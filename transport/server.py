@@ -170,6 +170,11 @@ class Listen:
     tls: bool = False
     """TCP: HTTP/1.1 and HTTP/2 over TLS (hypercorn), with HTTP/3's certificate, instead of
     plain HTTP/1.1 (uvicorn). Browsers honour `Alt-Svc: h3` only from an HTTPS origin."""
+    tcp_socket: socket.socket | None = None
+    """A listening socket already bound to `tcp_port`, to serve on instead of binding one: a
+    worker's, handed down by its supervisor (`transport.workers`)."""
+    udp_socket: socket.socket | None = None
+    """Likewise for HTTP/3, bound to `udp_port`."""
 
 
 class WithoutLifespan:
@@ -256,7 +261,7 @@ class DualServer:
         try:
             if self.listen.udp_port is not None:
                 self._h3 = Http3Server(self.app, self.h3_settings, self.drain)
-                await self._h3.start(self.listen.host, self.listen.udp_port)
+                await self._h3.start(self.listen.host, self.listen.udp_port, self.listen.udp_socket)
                 self.udp_port = self._h3.port
             if self.listen.tcp_port is not None and self.listen.tls:
                 await self._start_tls()
@@ -315,7 +320,8 @@ class DualServer:
         # signal, close connections after its own timeout, and raise the signal again when done,
         # cutting the drain short. (Its install_signal_handlers, overridden here before, is gone.)
         self._uvicorn = _UvicornWithoutSignals(config)
-        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve())
+        sockets = [self.listen.tcp_socket] if self.listen.tcp_socket is not None else None
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets))
         while not self._uvicorn.started:
             if self._uvicorn_task.done():
                 self._uvicorn_task.result()
@@ -329,7 +335,9 @@ class DualServer:
         app = AltSvc(self.app, self.udp_port) if self.udp_port is not None else self.app
         app = TlsPath(app)
         # Bound here, not by hypercorn, so that port 0 can be read back; hypercorn owns it then.
-        listener = socket.create_server((self.listen.host, self.listen.tcp_port or 0), backlog=2048)
+        listener = self.listen.tcp_socket or socket.create_server(
+            (self.listen.host, self.listen.tcp_port or 0), backlog=2048
+        )
         self.tcp_port = listener.getsockname()[1]
         config = hypercorn.config.Config()
         config.bind = [f"fd://{listener.detach()}"]

@@ -1,0 +1,196 @@
+"""`python -m serving --workers 2` in front of a null upstream: both workers serve on one port
+over both protocols, a killed worker is restarted while the other's HTTP/3 connection carries
+on, and SIGTERM drains every worker. Workers are told apart by the request log's `worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.launch import free_port
+from tests.conftest import (
+    CERT,
+    Server,
+    launch,
+    null_remote_config,
+    serving_command,
+    wait_until,
+)
+from tests.conftest import test_config as write_config
+from transport.client import Http3Client
+from transport.workers import _without_workers
+from workloads.chat import chat_body, chat_h3
+
+HI = [{"role": "user", "content": "hi"}]
+TRIES = 40
+"""New connections to open until both workers have served one: the kernel spreads them by a
+hash of their ports, so all 40 land on one of two workers with odds of 2 in 2^40."""
+
+
+def start_workers(folder: Path, upstream: Server, *extra: str) -> Server:
+    config = null_remote_config(folder, upstream)
+    port, h3_port = free_port(), free_port(socket.SOCK_DGRAM)
+    log = folder / "requests.jsonl"
+    command = serving_command(config, "null_remote", port, "--h3-port", str(h3_port),
+                              "--workers", "2", "--request-log", str(log), *extra)  # fmt: skip
+    server = launch("workers", command, port, "/readyz", folder, h3_port=h3_port)
+    server.request_log = log
+    return server.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
+    server = start_workers(tmp_path_factory.mktemp("workers"), null_upstream)
+    yield server
+    server.stop()
+
+
+def worker_pids(server: Server) -> dict[int, int]:
+    """Each worker's pid, as the supervisor's last word on it says."""
+    started = re.findall(r"worker (\d) started \(pid (\d+)\)", server.log.read_text())
+    return {int(index): int(pid) for index, pid in started}
+
+
+def http1_worker(server: Server, max_tokens: int = 4) -> int:
+    """Which worker served one chat completion on a connection of its own."""
+    body = {"messages": HI, "max_tokens": max_tokens}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    line = server.logged(answer.headers["x-request-id"])
+    assert line["protocol"] == "1.1" and line["outcome"] == "ok"
+    return int(line["worker"])
+
+
+async def h3_worker(server: Server, client: Http3Client) -> int:
+    result = await chat_h3(client, chat_body(HI, "tiny-s", 4))
+    assert result.status == 200 and result.error is None, result.error
+    assert result.request_id is not None
+    # Logged once the client has acknowledged the answer's last bytes: the loop runs on
+    # meanwhile, so that the client can.
+    async with asyncio.timeout(10):
+        while not (lines := [line for line in server.requests_logged()
+                             if line["request_id"] == result.request_id]):  # fmt: skip
+            await asyncio.sleep(0.05)
+    (line,) = lines
+    assert line["protocol"] == "3" and line["outcome"] == "ok"
+    return int(line["worker"])
+
+
+def h3_client(server: Server) -> Http3Client:
+    assert server.h3_port is not None
+    return Http3Client("localhost", server.h3_port, verify=str(CERT))
+
+
+def test_two_workers_serve_one_port_over_both_protocols(workers: Server) -> None:
+    seen: set[int] = set()
+    for _ in range(TRIES):
+        seen.add(http1_worker(workers))
+        if seen == {0, 1}:
+            break
+    assert seen == {0, 1}
+
+    async def on_new_connections() -> set[int]:
+        seen: set[int] = set()
+        for _ in range(TRIES):
+            async with h3_client(workers) as client:
+                seen.add(await h3_worker(workers, client))
+            if seen == {0, 1}:
+                break
+        return seen
+
+    assert asyncio.run(on_new_connections()) == {0, 1}
+
+
+def test_a_killed_worker_is_restarted_and_the_others_connection_carries_on(
+    workers: Server,
+) -> None:
+    async def through_the_kill() -> int:
+        async with h3_client(workers) as client:
+            mine = await h3_worker(workers, client)
+            killed = 1 - mine
+            pid = worker_pids(workers)[killed]
+            os.kill(pid, signal.SIGKILL)
+            assert await h3_worker(workers, client) == mine
+            wait_until(lambda: worker_pids(workers)[killed] != pid, 15, "the worker's restart")
+            assert await h3_worker(workers, client) == mine
+            return killed
+
+    killed = asyncio.run(through_the_kill())
+    assert re.search(rf"worker {killed} \(pid \d+\) exited with SIGKILL", workers.log.read_text())
+    # The restarted worker serves from the socket its predecessor left.
+    served = set()
+    for _ in range(TRIES):
+        served.add(http1_worker(workers))
+        if killed in served:
+            break
+    assert killed in served
+
+
+def test_sigterm_drains_every_worker(tmp_path: Path, null_upstream: Server) -> None:
+    server = start_workers(tmp_path, null_upstream, "--drain-s", "30")
+    try:
+        pids = worker_pids(server)
+        streams = 16  # on connections of their own: on one worker only with odds of 2 in 2^16
+        begun = threading.Barrier(streams + 1, timeout=30)
+        ends: list[list[str]] = []
+
+        def stream() -> None:
+            body = {"messages": HI, "max_tokens": 200, "stream": True}
+            with httpx.stream(
+                "POST", server.url + "/v1/chat/completions", json=body, timeout=60
+            ) as answer:
+                assert answer.status_code == 200
+                events = (
+                    line[5:].strip() for line in answer.iter_lines() if line.startswith("data:")
+                )
+                first = next(events)
+                begun.wait()
+                ends.append([first, *events])
+
+        threads = [threading.Thread(target=stream) for _ in range(streams)]
+        for thread in threads:
+            thread.start()
+        begun.wait()
+        os.kill(server.pid, signal.SIGTERM)
+        wait_until(lambda: "passing SIGTERM on" in server.log.read_text(), 10, "the stop")
+        refused = httpx.post(server.url + "/v1/chat/completions", json={"messages": HI}, timeout=30)
+        assert refused.status_code == 503
+        for thread in threads:
+            thread.join(60)
+        assert len(ends) == streams and all(events[-1] == "[DONE]" for events in ends)
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+    finished = [line for line in server.requests_logged() if line["outcome"] == "ok"]
+    assert len(finished) == streams and {line["worker"] for line in finished} == {0, 1}
+    assert all(line["tokens"] == 200 for line in finished)
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_several_workers_need_engines_outside_the_front_end(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    command = serving_command(config, "embedded-sim", free_port(), "--workers", "2")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--workers 2: deployment 'embedded-sim' runs its engines in this process" in (
+        result.stderr
+    )
+
+
+def test_a_worker_runs_the_command_less_its_worker_count() -> None:
+    assert _without_workers(["--port", "1", "--workers", "4", "--h3-port", "2"]) == [
+        "--port", "1", "--h3-port", "2",
+    ]  # fmt: skip
+    assert _without_workers(["--workers=4", "--tls"]) == ["--tls"]
