@@ -9,6 +9,10 @@ request asks for `--tokens` tokens with ignore_eos and is counted by its `data: 
   multiplied by `--time-scale` (0.001: OPT-6.7B steps in about 20 us), so the twelve simulated
   engines are never the bottleneck; the whole path, HTTP/3 or HTTP/1.1 -> classification ->
   gateway -> DQN router -> simulated engine -> the event stream back;
+- `full-apart/h3`, `full-apart/h1`, `full-2w/h3`, `full-2w/h1` (not in the default targets):
+  the same server with its engines in an engine host (`--separate-engines`), and with two
+  workers sharing it (`--workers 2`), all of it on CPU 0; the server's CPU is the whole process
+  tree's;
 - `starlette/h1`: a bare Starlette endpoint under uvicorn that streams the same chunk bytes,
   one event per pass of the event loop, as tokens come from an engine;
 - `aioquic/h3`: a bare aioquic HTTP/3 server that streams them the same way, one `send_data`
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.live import cpu_seconds, server
+from experiments.live import server, tree_cpu_seconds
 from serving.launch import free_port, launch
 from transport.tls import ensure_certificate
 
@@ -276,9 +281,9 @@ def drive(target: str, port: int, pid: int, streams: int, args: argparse.Namespa
         pipes.append(mine)
         processes.append(process)
     time.sleep(max(0.0, start + args.warm_s - time.time()))
-    before = cpu_seconds(pid)
+    before = tree_cpu_seconds(pid)  # with workers: the supervisor, its workers, the engine host
     time.sleep(args.measure_s)
-    spent = cpu_seconds(pid) - before
+    spent = tree_cpu_seconds(pid) - before
     results = []
     for pipe, process in zip(pipes, processes, strict=True):
         try:
@@ -322,15 +327,24 @@ def bare(kind: str, results: Path) -> Iterator[tuple[int, int]]:
         yield port, server.pid
 
 
+FULL = {
+    "full": [],
+    "full-apart": ["--separate-engines"],
+    "full-2w": ["--workers", "2"],
+}
+"""The real server's shapes: one process; one worker with the engines in an engine host; two
+workers sharing the engine host."""
+
+
 @contextlib.contextmanager
-def full(args: argparse.Namespace, results: Path) -> Iterator[tuple[int, int, int]]:
-    """The real server on paper-4gpu-sim, its times scaled by --time-scale."""
+def full(args: argparse.Namespace, results: Path, shape: str) -> Iterator[tuple[int, int, int]]:
+    """The real server on paper-4gpu-sim, its times scaled by --time-scale, in `shape`."""
     extra = ["--time-scale", f"{args.time_scale:g}", "--admission", "none", "--request-log", "off"]
     with server(
         args.deployment,
         None,
-        results / "full.log",
-        extra=extra,
+        results / f"{shape}.log",
+        extra=[*extra, *FULL[shape]],
         ready_path="/readyz",
         cpus={SERVER_CPU},
     ) as live:
@@ -441,17 +455,20 @@ def main() -> int:
     rows: list[dict] = []
     profiled: list[str] = []
     targets = args.targets.split(",")
-    if any(t.startswith("full/") for t in targets):
-        with full(args, out) as (port, h3_port, pid):
-            for target in [t for t in targets if t.startswith("full/")]:
+    for shape in FULL:
+        shaped = [t for t in targets if t.split("/")[0] == shape]
+        if not shaped:
+            continue
+        with full(args, out, shape) as (port, h3_port, pid):
+            for target in shaped:
                 rows += ramp(target, h3_port if target.endswith("h3") else port, pid, args)
-            for target in [t for t in targets if t.startswith("full/")] if args.profile else []:
+            for target in shaped if args.profile else []:
                 peak = max(
                     (r for r in rows if r["target"] == target), key=lambda r: r["events_per_s"]
                 )
                 at = h3_port if target.endswith("h3") else port
                 profiled += profile(target, pid, at, peak["streams"], args, out)
-    for target in [t for t in targets if not t.startswith("full/")]:
+    for target in [t for t in targets if t.split("/")[0] not in FULL]:
         with bare(target.split("/")[0], out) as (port, pid):
             rows += ramp(target, port, pid, args)
     peaks = {
@@ -483,6 +500,20 @@ def main() -> int:
         # A client-bound baseline may go faster still: the ratio is then an upper bound.
         bound = peaks[name.split(" / ")[1]]["client_bound"]
         print(f"{name}: {'at most ' if bound else ''}{ratio:.2f} (target >= 0.70)")
+    # The server's shapes against one process, level by level: the CPU a token costs each.
+    for shape, proto in itertools.product(("full-apart", "full-2w"), ("h3", "h1")):
+        for row in (r for r in rows if r["target"] == f"{shape}/{proto}"):
+            base = [
+                r for r in rows if (r["target"], r["streams"]) == (f"full/{proto}", row["streams"])
+            ]
+            if base:
+                ratio = (
+                    row["server_cpu_ms_per_1000_events"] / base[0]["server_cpu_ms_per_1000_events"]
+                )
+                ratios[f"{shape}/{proto} / full/{proto} CPU per event at {row['streams']}"] = ratio
+                print(f"{shape}/{proto} at {row['streams']} streams: {ratio:.2f} of full/{proto}'s "
+                      f"CPU per event, {row['events_per_s'] / base[0]['events_per_s']:.2f} of "
+                      "its events/s")  # fmt: skip
     for line in profiled:
         print(line)
     record = {

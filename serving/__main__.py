@@ -11,6 +11,7 @@ from functools import partial
 
 from config import ConfigError
 from router.policies import POLICIES
+from serving.engine_host import hosted
 from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import QosClassifier
@@ -58,6 +59,15 @@ def main() -> int:
         help="where the JSON line of each request goes: a file (appended), '-' for stderr, "
         "or 'off'",
     )
+    parser.add_argument(
+        "--separate-engines",
+        action="store_true",
+        help="run the engines in a process of their own (serving.engine_host), reached over the "
+        "engine link, even with one worker; with several and engines that are not remote, "
+        "they always are",
+    )
+    # A worker's engines are in the engine host whose link is here; not for people.
+    parser.add_argument("--engine-host", help=argparse.SUPPRESS)
     args = parser.parse_args()
     setup = prepare(parser, args)
     deployment = setup.deployment
@@ -68,20 +78,23 @@ def main() -> int:
             deployment = deployment.with_time_scale(args.time_scale)
     except ConfigError as exc:
         parser.error(str(exc))
-    if args.workers > 1:
-        if not deployment.remote:
-            parser.error(
-                f"--workers {args.workers}: deployment {deployment.name!r} runs its engines in "
-                "this process, and each worker would start its own; several workers need engines "
-                "outside the front-end, a deployment of remote replicas (a `vllm serve` each)"
-            )
-        return supervise("serving", sys.argv[1:], setup.listen, args.workers)
+    if args.engine_host is None and (args.workers > 1 or args.separate_engines):
+        argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
+        if deployment.remote:  # every worker is a client of the servers themselves
+            return supervise("serving", argv, setup.listen, args.workers)
+        host = ["--config", args.config, "--log-level", args.log_level]
+        host += ["--deployment", deployment.name]
+        host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
+        with hosted(host) as link:
+            return supervise("serving", [*argv, "--engine-host", link], setup.listen, args.workers)
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
     try:
-        app = build_app(deployment, args.policy, args.max_body_bytes, args.worker_index)
+        app = build_app(
+            deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host
+        )
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier

@@ -27,11 +27,13 @@ def build_app(
     policy: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     worker: int | None = None,
+    engine_host: str | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
-    `worker`: this process's index among `--workers`, which its request log names."""
-    replicas = ReplicaSet.from_deployment(deployment)
+    `worker`: this process's index among `--workers`, which its request log names;
+    `engine_host`: where the engine link is, when the engines run in an engine host."""
+    replicas = ReplicaSet.from_deployment(deployment, engine_host)
     metrics = Metrics(replicas, worker)
     gateway = Gateway(deployment, replicas, make_policy(deployment, policy), metrics)
     classifier = QosClassifier.from_deployment(deployment)

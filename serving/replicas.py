@@ -144,7 +144,17 @@ class ReplicaSet:
         self._supervisors: list[asyncio.Task[None]] = []
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment) -> ReplicaSet:
+    def from_deployment(cls, deployment: Deployment, engine_host: str | None = None) -> ReplicaSet:
+        """The deployment's replicas, with engines of their kind; or, with `engine_host`, each
+        engine reached over the engine link at that path (`serving.engine_host` runs them)."""
+        if engine_host is not None:
+            from serving.engines.link import EngineLink, LinkedEngine
+
+            link = EngineLink(engine_host)
+            # Brought back as a remote server is: reconnecting is cheap, the engines' own
+            # restarts are the host's.
+            return cls([Replica(c, LinkedEngine(c, link)) for c in deployment.replicas],
+                       backoff=PROBE_BACKOFF)  # fmt: skip
         if deployment.simulation is not None:
             from serving.engines.simulated import SimulatedCluster
 

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,18 +178,88 @@ def test_sigterm_drains_every_worker(tmp_path: Path, null_upstream: Server) -> N
             os.kill(pid, 0)
 
 
-def test_several_workers_need_engines_outside_the_front_end(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
-    command = serving_command(config, "embedded-sim", free_port(), "--workers", "2")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "--workers 2: deployment 'embedded-sim' runs its engines in this process" in (
-        result.stderr
-    )
-
-
 def test_a_worker_runs_the_command_less_its_worker_count() -> None:
     assert _without_workers(["--port", "1", "--workers", "4", "--h3-port", "2"]) == [
         "--port", "1", "--h3-port", "2",
     ]  # fmt: skip
     assert _without_workers(["--workers=4", "--tls"]) == ["--tls"]
+
+
+@pytest.fixture(scope="module")
+def twin_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`python -m serving --deployment embedded-sim --workers 2`: the twin's engines in an
+    engine host of their own, shared by both workers over the engine link."""
+    folder = tmp_path_factory.mktemp("twin-workers")
+    port, h3_port = free_port(), free_port(socket.SOCK_DGRAM)
+    log = folder / "requests.jsonl"
+    command = serving_command(write_config(folder), "embedded-sim", port,
+                              "--h3-port", str(h3_port), "--workers", "2",
+                              "--request-log", str(log))  # fmt: skip
+    server = launch("twin-workers", command, port, "/readyz", folder, h3_port=h3_port)
+    server.request_log = log
+    yield server.wait_ready()
+    server.stop()
+
+
+def engine_host_pid(server: Server) -> int:
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    (pid,) = [int(p) for p in children
+              if "serving.engine_host" in Path(f"/proc/{p}/cmdline").read_text()]  # fmt: skip
+    return pid
+
+
+def scrape(server: Server) -> tuple[float, float]:
+    """One worker's /metrics (whichever the new connection reaches): the requests it holds in
+    flight, and those it sees the other worker hold, over all replicas."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    own = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("serving_replica_in_flight{"))  # fmt: skip
+    others = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("serving_upstream_others{"))  # fmt: skip
+    return own, others
+
+
+def test_workers_share_the_engine_host_and_see_each_others_load(twin_workers: Server) -> None:
+    streams = 8
+    begun = threading.Barrier(streams + 1, timeout=30)
+    done = threading.Event()
+
+    def hold() -> None:
+        body = {"messages": HI, "max_tokens": 1_500, "stream": True, "ignore_eos": True}
+        with httpx.stream(
+            "POST", twin_workers.url + "/v1/chat/completions", json=body, timeout=60
+        ) as answer:
+            lines = answer.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            begun.wait()
+            done.wait(30)  # then the stream is cut: the client leaves
+
+    threads = [threading.Thread(target=hold) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    begun.wait()
+    host = engine_host_pid(twin_workers)
+    try:
+        views = [scrape(twin_workers) for _ in range(TRIES)]
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(60)
+    # Every worker sees all the streams: its own exactly, the other's from the host's report.
+    assert not [view for view in views if sum(view) != streams]
+    assert any(others > 0 for _, others in views), views
+    assert engine_host_pid(twin_workers) == host
+
+
+def test_a_killed_worker_leaves_the_engines_untouched(twin_workers: Server) -> None:
+    host = engine_host_pid(twin_workers)
+    pid = worker_pids(twin_workers)[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: worker_pids(twin_workers)[0] != pid, 15, "the worker's restart")
+    assert engine_host_pid(twin_workers) == host
+    served = set()
+    for _ in range(TRIES):
+        served.add(http1_worker(twin_workers))
+        if served == {0, 1}:
+            break
+    assert served == {0, 1}

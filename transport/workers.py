@@ -69,7 +69,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 def as_worker(listen: Listen, args: argparse.Namespace) -> Listen:
     """Make this process a supervised worker: it dies with its supervisor, and serves on the
     sockets handed down to it. Its `listen`."""
-    _die_with_parent()
+    die_with_parent()
     tcp = socket.socket(fileno=args.tcp_fd) if args.tcp_fd is not None else None
     udp = socket.socket(fileno=args.udp_fd) if args.udp_fd is not None else None
     return replace(
@@ -81,9 +81,10 @@ def as_worker(listen: Listen, args: argparse.Namespace) -> Listen:
     )
 
 
-def _die_with_parent() -> None:
-    """Have the kernel send this process SIGTERM (a graceful stop) when its supervisor dies,
-    however it dies: a worker must not serve on, unsupervised, after a SIGKILL of its parent."""
+def die_with_parent() -> None:
+    """Have the kernel send this process SIGTERM (a graceful stop) when its parent dies, however
+    it dies: a worker (or the engine host) must not run on, unsupervised, after a SIGKILL of its
+    supervisor."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:  # the supervisor died before the request took hold

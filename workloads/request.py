@@ -68,13 +68,15 @@ def load_requests(path: str | Path) -> list[Request]:
     with Path(path).open() as f:
         for number, line in enumerate(f, 1):
             try:
-                out.append(_request(json.loads(line)))
+                out.append(request_from_row(json.loads(line)))
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(f"{path}, line {number}: not a request ({exc})") from exc
     return sorted(out, key=lambda r: r.arrival)
 
 
-def _request(row: dict[str, Any]) -> Request:
+def request_from_row(row: dict[str, Any]) -> Request:
+    """A request from its `asdict` form, as `save_requests` writes it and the engine link sends
+    it; ValueError, TypeError or KeyError if it is not one."""
     prompt = row["prompt"]
     if isinstance(prompt, dict):
         prompt = TokenIds(tuple(prompt["ids"]))

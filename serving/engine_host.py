@@ -1,0 +1,267 @@
+"""`python -m serving.engine_host --deployment embedded-sim --socket PATH`: a deployment's engines
+in a process of their own, served over the engine link (`serving.engines.link`) to every
+front-end worker that connects to PATH. `python -m serving --workers N` starts one for a
+deployment whose engines are not remote; it is seldom run by hand.
+
+Each request runs as a task that reads its engine's deltas; every delta of one pass of the event
+loop (an engine step's worth) leaves in one frame per worker. The replicas are supervised here
+as in a single server (`ReplicaSet`): an engine that dies is restarted, and its requests end in
+errors that reach their workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from config import ConfigError, load_deployment
+from config.deployment import DEFAULT_PATH
+from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling
+from serving.engines.link import LOAD_REPORT_S, FrameReader, delta_row, frame
+from serving.replicas import Replica, ReplicaSet
+from transport.workers import die_with_parent
+from workloads.request import request_from_row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Batch:
+    """What one worker is owed from this pass of the event loop."""
+
+    rows: list[list[Any]]
+    scheduled: bool = False
+
+
+class _Worker(asyncio.Protocol):
+    """One worker's connection: its requests' tasks, and the frame it is owed."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.transport: asyncio.Transport | None = None
+        self.reader = FrameReader(self._on_frame)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.out = _Batch([])
+        self.others: list[list[Any]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.host.workers.add(self)
+        transport.write(frame(["load", self.host.loads()]))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The worker is gone: what it asked for is nobody's any more.
+        self.host.workers.discard(self)
+        for task in self.tasks.values():
+            task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+
+    def _on_frame(self, message: list[Any]) -> None:
+        if message[0] == "add":
+            _, request, replica, sampling = message
+            try:
+                request = request_from_row(request)
+                sampling = Sampling(**{**sampling, "stop": tuple(sampling["stop"])})
+            except (ValueError, TypeError, KeyError) as exc:
+                why = f"a request the engine host cannot read: {exc}"
+                request_id = request.get("request_id", "")
+                self.send_later(["error", request_id, "invalid", why, None, None])
+                return
+            serving = self._serve(request, replica, sampling)
+            self.tasks[request.request_id] = asyncio.get_running_loop().create_task(serving)
+        elif message[0] == "abort" and (aborted := self.tasks.get(message[1])) is not None:
+            aborted.cancel()
+
+    async def _serve(self, request: Any, name: str, sampling: Sampling) -> None:
+        request_id = request.request_id
+        try:
+            replica = self.host.replica(name)
+            async for delta in replica.engine.generate(request, sampling):
+                self.send_delta(delta_row(request_id, delta))
+            self.send_later(["end", request_id])
+        except EngineUnavailable as exc:
+            self.send_later(["error", request_id, "unavailable", str(exc), None, None])
+        except InvalidRequest as exc:
+            self.send_later(["error", request_id, "invalid", exc.message, exc.param, exc.code])
+        except EngineError as exc:
+            self.send_later(["error", request_id, "engine", str(exc), None, None])
+        except Exception as exc:
+            log.exception("%s: unexpected error", name)
+            self.send_later(["error", request_id, "engine", f"{name}: {type(exc).__name__}",
+                             None, None])  # fmt: skip
+        finally:
+            self.tasks.pop(request_id, None)
+
+    def send_delta(self, row: list[Any]) -> None:
+        self.out.rows.append(row)
+        self._schedule()
+
+    def send_later(self, message: list[Any]) -> None:
+        """A message that goes after this pass's deltas (a request's end or error)."""
+        self.others.append(message)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self.out.scheduled:
+            self.out.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        rows, others = self.out.rows, self.others
+        self.out, self.others = _Batch([]), []
+        if self.transport is None or self.transport.is_closing():
+            return
+        data = frame(["out", rows]) if rows else b""
+        self.transport.write(data + b"".join(frame(m) for m in others))
+
+
+class EngineHost:
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+        self._by_name = {r.name: r for r in replicas}
+        self.workers: set[_Worker] = set()
+
+    def replica(self, name: str) -> Replica:
+        replica = self._by_name.get(name)
+        if replica is None:
+            raise EngineUnavailable(f"the engine host runs no replica {name!r}")
+        return replica
+
+    def loads(self) -> dict[str, list[Any]]:
+        """Each replica's requests in its engine (running and waiting as one), no batch cap of
+        its own (the deployment's profile has it), and whether it is up."""
+        return {r.name: [r.engine.unfinished(), 0, 0, r.engine.healthy()] for r in self.replicas}
+
+    async def report_loads(self) -> None:
+        """Every LOAD_REPORT_S, each replica's load to every worker, when it changed."""
+        last: dict[str, list[Any]] = {}
+        while True:
+            await asyncio.sleep(LOAD_REPORT_S)
+            now = self.loads()
+            if now != last:
+                data = frame(["load", now])
+                for worker in self.workers:
+                    if worker.transport is not None and not worker.transport.is_closing():
+                        worker.transport.write(data)
+                last = now
+
+
+@contextlib.asynccontextmanager
+async def link_server(replicas: ReplicaSet, path: str) -> AsyncIterator[EngineHost]:
+    """Serve the engine link for `replicas` (started) at the Unix socket `path` in the block."""
+    host = EngineHost(replicas)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = await asyncio.get_running_loop().create_unix_server(lambda: _Worker(host), path)
+    reports = asyncio.create_task(host.report_loads())
+    try:
+        yield host
+    finally:
+        reports.cancel()
+        server.close()
+        for worker in list(host.workers):
+            if worker.transport is not None:
+                worker.transport.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def serve(replicas: ReplicaSet, path: str) -> None:
+    """Start the engines, then serve the link at `path` until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await replicas.start()
+    try:
+        gc.collect()
+        gc.freeze()  # as the server does after its engines start (serving.app says why)
+        # Bound only once every engine runs: a worker that can connect finds them ready.
+        async with link_server(replicas, path):
+            log.info("engines of %d replicas served on %s", len(replicas.replicas), path)
+            await stop.wait()
+    finally:
+        await replicas.close()
+
+
+@contextlib.contextmanager
+def hosted(argv: list[str], stop_timeout_s: float = 60.0) -> Iterator[str]:
+    """An engine host started with `argv` (its options but --socket), ready: the path of its
+    link. It is stopped (SIGTERM, then SIGKILL after `stop_timeout_s`) when the block ends.
+    RuntimeError if it exits before its engines run."""
+    folder = tempfile.mkdtemp(prefix="qos-engines-")
+    path = str(Path(folder) / "link.sock")
+    # A process group of its own, so that a terminal's Ctrl-C does not stop the engines under
+    # workers still draining: the block's end stops them, after the workers.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "serving.engine_host", *argv, "--socket", path], process_group=0
+    )
+    try:
+        while not _answers(path):
+            if process.poll() is not None:
+                raise RuntimeError(f"the engine host exited with {process.returncode}")
+            time.sleep(0.1)
+        yield path
+    finally:
+        process.terminate()
+        try:
+            process.wait(stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            os.rmdir(folder)
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.engine_host", description=__doc__)
+    parser.add_argument("--config", default=str(DEFAULT_PATH))
+    parser.add_argument("--deployment")
+    parser.add_argument("--socket", required=True, help="the Unix socket to serve the link on")
+    parser.add_argument("--time-scale", type=float, help="as python -m serving's")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [engine host] %(name)s: %(message)s",
+    )
+    try:
+        deployment = load_deployment(args.config, args.deployment)
+        if args.time_scale is not None:
+            deployment = deployment.with_time_scale(args.time_scale)
+    except ConfigError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    die_with_parent()  # started by `python -m serving --workers N`, it goes with it
+    asyncio.run(serve(ReplicaSet.from_deployment(deployment), args.socket))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The engine link: the embedded twin's engines served by `serving.engine_host`'s link server in
+this test's loop, reached by `LinkedEngine`s as a front-end worker reaches them. Streams arrive
+as the engine made them, aborts and failures cross both ways, and each link sees the load the
+others put on a replica."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from config import load_deployment
+from serving.engine_host import EngineHost, link_server
+from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
+from serving.engines.link import EngineLink, LinkedEngine
+from serving.launch import ROOT
+from serving.replicas import ReplicaSet
+from workloads import Message, Request
+
+EXACT = Sampling(ignore_eos=True)
+HELLO = (Message("user", "Hello there"),)
+
+
+def request(request_id: str, max_tokens: int = 8) -> Request:
+    return Request(request_id, 0.0, HELLO, max_tokens, "free-tier")
+
+
+@dataclass
+class Hosted:
+    host: EngineHost
+    replicas: ReplicaSet
+    path: str
+
+    def linked(self, index: int = 0) -> LinkedEngine:
+        """A replica's engine as a new worker reaches it: over a link of its own."""
+        return LinkedEngine(self.replicas[index].config, EngineLink(self.path))
+
+
+@contextlib.asynccontextmanager
+async def engines(tmp_path: Path) -> AsyncIterator[ReplicaSet]:
+    """The embedded twin's replicas, running, ten times faster than its profile."""
+    deployment = load_deployment(ROOT / "models.yaml", "embedded-sim").with_time_scale(0.1)
+    replicas = ReplicaSet.from_deployment(deployment)
+    await replicas.start()
+    try:
+        yield replicas
+    finally:
+        await replicas.close()
+
+
+@pytest.fixture
+async def hosted(tmp_path: Path) -> AsyncIterator[Hosted]:
+    path = str(tmp_path / "link.sock")
+    async with engines(tmp_path) as replicas, link_server(replicas, path) as host:
+        yield Hosted(host, replicas, path)
+
+
+async def collect(engine: LinkedEngine, req: Request, sampling: Sampling) -> list[TokenDelta]:
+    return [delta async for delta in engine.generate(req, sampling)]
+
+
+async def until(predicate: object, what: str) -> None:
+    async with asyncio.timeout(10):
+        while not predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.01)
+
+
+async def test_a_stream_over_the_link_is_the_engines_own(hosted: Hosted) -> None:
+    linked = hosted.linked()
+    await linked.start()
+    assert linked.healthy()
+    over_link = await collect(linked, request("same", 12), EXACT)
+    # The same request again, from the engine itself: its words are drawn from the request id.
+    direct = [d async for d in hosted.replicas[0].engine.generate(request("same", 12), EXACT)]
+    assert "".join(d.text for d in over_link) == "".join(d.text for d in direct)
+    assert sum(d.tokens for d in over_link) == 12 and over_link[-1].finish_reason == "length"
+    assert over_link[-1].prompt_tokens == direct[-1].prompt_tokens > 0
+    assert linked.unfinished() == 0
+    await linked.close()
+
+
+async def test_closing_a_stream_early_frees_the_hosts_slot(hosted: Hosted) -> None:
+    linked = hosted.linked()
+    await linked.start()
+    stream = linked.generate(request("long", 1_500), EXACT)
+    await anext(stream)
+    engine = hosted.replicas[0].engine
+    assert engine.unfinished() == 1
+    (worker,) = hosted.host.workers
+    serving = worker.tasks["long"]
+    await stream.aclose()
+    await until(serving.done, "the host to abort it")
+    assert serving.cancelled() and engine.unfinished() == 0
+    await linked.close()
+
+
+async def test_each_link_sees_the_load_the_others_put_on_a_replica(hosted: Hosted) -> None:
+    mine, other = hosted.linked(), hosted.linked()
+    await mine.start()
+    await other.start()
+    stream = other.generate(request("theirs", 1_500), EXACT)
+    await anext(stream)
+    await until(lambda: (load := mine.load()) is not None and load.others == 1, "the report")
+    assert (theirs := other.load()) is not None and theirs.others == 0  # its own, not another's
+    await stream.aclose()
+    await until(lambda: (load := mine.load()) is not None and load.others == 0, "the next one")
+    await mine.close()
+    await other.close()
+
+
+async def test_what_the_engine_refuses_crosses_the_link_as_it_was(hosted: Hosted) -> None:
+    linked = hosted.linked()
+    await linked.start()
+    with pytest.raises(InvalidRequest) as refused:
+        await collect(linked, request("lp"), Sampling(logprobs=2))
+    assert refused.value.param == "logprobs" and "simulated replica" in refused.value.message
+    await linked.close()
+
+
+async def test_a_lost_host_ends_open_streams_in_engine_errors(tmp_path: Path) -> None:
+    path = str(tmp_path / "link.sock")
+    async with engines(tmp_path) as replicas:
+        async with link_server(replicas, path) as host:
+            linked = LinkedEngine(replicas[0].config, EngineLink(path))
+            await linked.start()
+            stream = linked.generate(request("cut", 1_500), EXACT)
+            await anext(stream)
+            assert host.workers
+        with pytest.raises(EngineError, match="lost the engine host"):
+            async for _ in stream:
+                pass
+        assert not linked.healthy()
