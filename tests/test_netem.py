@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -158,12 +158,23 @@ def test_the_shell_cleans_up_after_its_command_is_killed() -> None:
     run = shell("--server-cmd", "sleep 600", "--", "sleep", "600")
     made = wait_for_namespaces(before, 2)
     client = next(name for name in made if name.endswith("-client0"))
-    for _ in range(100):
+
+    def the_command() -> int | None:
+        """The client's `sleep 600`: not whatever else the namespace holds at the moment (the
+        first pid listed was once a helper, and killing it ended the shell with 1)."""
         pids = subprocess.run(["ip", "netns", "pids", client], capture_output=True, text=True)
-        if pids.stdout.split():
+        for pid in pids.stdout.split():
+            with suppress(OSError):  # gone meanwhile
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x00600\x00":
+                    return int(pid)
+        return None
+
+    for _ in range(100):
+        if (command := the_command()) is not None:
             break
         time.sleep(0.1)
-    os.kill(int(pids.stdout.split()[0]), signal.SIGKILL)
+    assert command is not None, "the client's command never ran"
+    os.kill(command, signal.SIGKILL)
     assert run.wait(timeout=30) == 128 + signal.SIGKILL
     assert not namespaces() & made
 
