@@ -42,12 +42,16 @@ class ArrivalRateEstimator:
 
     def observe(self, now: float) -> float:
         """Count an arrival at `now`; return the rate it found."""
-        before = self.value(now)
+        before = self.level(now)
         self._level = before + 1.0 / self.horizon_s
         self._last = now
         return before
 
     def value(self, now: float) -> float:
+        return self.level(now)
+
+    def level(self, now: float) -> float:
+        """The rate from the arrivals counted here, decayed to `now`."""
         if self._last is None:
             return 0.0
         return self._level * math.exp(-max(0.0, now - self._last) / self.horizon_s)

@@ -9,13 +9,14 @@ import logging
 import sys
 from functools import partial
 
-from config import ConfigError
+from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
+from serving.shared_view import WorkerRows
 from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import QosClassifier
-from transport.server import DualServer, serve_forever
+from transport.server import DualServer, Listen, serve_forever
 from transport.workers import supervise
 
 
@@ -66,8 +67,10 @@ def main() -> int:
         "engine link, even with one worker; with several and engines that are not remote, "
         "they always are",
     )
-    # A worker's engines are in the engine host whose link is here; not for people.
+    # What the supervisor tells a worker (not for people): where the engine host's link is, and
+    # the shared memory of the workers' rows with how many there are (NAME:COUNT).
     parser.add_argument("--engine-host", help=argparse.SUPPRESS)
+    parser.add_argument("--shared-view", help=argparse.SUPPRESS)
     args = parser.parse_args()
     setup = prepare(parser, args)
     deployment = setup.deployment
@@ -78,23 +81,17 @@ def main() -> int:
             deployment = deployment.with_time_scale(args.time_scale)
     except ConfigError as exc:
         parser.error(str(exc))
-    if args.engine_host is None and (args.workers > 1 or args.separate_engines):
-        argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
-        if deployment.remote:  # every worker is a client of the servers themselves
-            return supervise("serving", argv, setup.listen, args.workers)
-        host = ["--config", args.config, "--log-level", args.log_level]
-        host += ["--deployment", deployment.name]
-        host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
-        with hosted(host) as link:
-            return supervise("serving", [*argv, "--engine-host", link], setup.listen, args.workers)
+    if args.worker_index is None and (args.workers > 1 or args.separate_engines):
+        return _supervise(args, deployment, setup.listen)
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
 
     try:
         app = build_app(
-            deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host
-        )
+            deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host,
+            _shared_view(args.shared_view),
+        )  # fmt: skip
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
     classifier: QosClassifier = app.state.classifier
@@ -108,6 +105,31 @@ def main() -> int:
     )
     asyncio.run(serve_forever(server, on_ready=_announce))
     return 0
+
+
+def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen) -> int:
+    """Run the workers (and the engine host, for engines that are not remote) until stopped."""
+    rows = WorkerRows.create(args.workers)
+    argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
+    argv += ["--shared-view", f"{rows.name}:{args.workers}"]
+    try:
+        if deployment.remote:  # every worker is a client of the servers themselves
+            return supervise("serving", argv, listen, args.workers, rows.clear)
+        host = ["--config", args.config, "--log-level", args.log_level]
+        host += ["--deployment", deployment.name]
+        host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
+        with hosted(host) as link:
+            argv += ["--engine-host", link]
+            return supervise("serving", argv, listen, args.workers, rows.clear)
+    finally:
+        rows.close(unlink=True)
+
+
+def _shared_view(given: str | None) -> WorkerRows | None:
+    if given is None:
+        return None
+    name, _, workers = given.rpartition(":")
+    return WorkerRows.attach(name, int(workers))
 
 
 def _route_request_log(where: str) -> None:

@@ -17,6 +17,7 @@ from serving.metrics import Metrics
 from serving.outcomes import INVALID
 from serving.pages import add_pages
 from serving.replicas import ReplicaSet
+from serving.shared_view import SharedArrivalRate, WorkerRows
 from transport.drain import Draining
 from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from transport.qos import QosClassifier, TagRequests
@@ -28,14 +29,19 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     worker: int | None = None,
     engine_host: str | None = None,
+    shared_view: WorkerRows | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
     `worker`: this process's index among `--workers`, which its request log names;
-    `engine_host`: where the engine link is, when the engines run in an engine host."""
+    `engine_host`: where the engine link is, when the engines run in an engine host;
+    `shared_view`: the workers' rows, where this worker publishes its arrivals and reads the
+    others'."""
     replicas = ReplicaSet.from_deployment(deployment, engine_host)
     metrics = Metrics(replicas, worker)
-    gateway = Gateway(deployment, replicas, make_policy(deployment, policy), metrics)
+    rate = SharedArrivalRate(shared_view, worker or 0) if shared_view is not None else None
+    policy_ = make_policy(deployment, policy)
+    gateway = Gateway(deployment, replicas, policy_, metrics, rate=rate)
     classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager

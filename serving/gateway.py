@@ -123,15 +123,17 @@ class Gateway:
         metrics: Metrics,
         clock: Clock = time.monotonic,
         admission: Admission | None = None,
+        rate: ArrivalRateEstimator | None = None,
     ) -> None:
-        """`admission` decides what is shed before routing (default: the deployment's rule)."""
+        """`admission` decides what is shed before routing (default: the deployment's rule);
+        `rate` estimates the arrival rate (default: from this gateway's arrivals alone)."""
         self.deployment = deployment
         self.replicas = replicas
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
         self.encoder = encoder_for(policy, deployment)
-        self.rate = ArrivalRateEstimator()
+        self.rate = rate or ArrivalRateEstimator()
         self.limiter = KeyLimiter(self._limits_of)
         self.admission = admission or admission_for(deployment)
 

@@ -5,6 +5,7 @@ on, and SIGTERM drains every worker. Workers are told apart by the request log's
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import signal
@@ -217,6 +218,36 @@ def scrape(server: Server) -> tuple[float, float]:
     others = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                  if line.startswith("serving_upstream_others{"))  # fmt: skip
     return own, others
+
+
+def test_every_worker_routes_on_the_whole_servers_arrival_rate(twin_workers: Server) -> None:
+    # First on its server: every arrival within the rate's horizon is one of these.
+    before = len(twin_workers.requests_logged())
+    for _ in range(TRIES):
+        http1_worker(twin_workers, max_tokens=1)
+    arrivals = twin_workers.requests_logged()[before:]
+    assert {line["worker"] for line in arrivals} == {0, 1}
+
+    def found(worker: int, everyone: bool) -> float:
+        """The rate the worker's last arrival found, from every arrival or from its own."""
+        last = max(line["arrival"] for line in arrivals if line["worker"] == worker)
+        return sum(
+            math.exp(-(last - line["arrival"]) / 10.0) / 10.0
+            for line in arrivals
+            if line["arrival"] < last and (everyone or line["worker"] == worker)
+        )
+
+    gauges = set()
+    for _ in range(TRIES):
+        text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
+        gauges |= {float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith("serving_router_arrival_rate ")}  # fmt: skip
+        if len(gauges) == 2:
+            break
+    whole = sorted(found(worker, True) for worker in (0, 1))
+    own = sorted(found(worker, False) for worker in (0, 1))
+    # Each worker's gauge is the rate over both workers' arrivals, about twice its own share.
+    assert sorted(gauges) == pytest.approx(whole, rel=0.05), (sorted(gauges), whole, own)
 
 
 def test_workers_share_the_engine_host_and_see_each_others_load(twin_workers: Server) -> None:

@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import FrameType
 
@@ -145,10 +145,18 @@ class _Worker:
 class Supervisor:
     """Runs `python -m <module> <argv>` as N workers on the sockets of `bind_groups`."""
 
-    def __init__(self, module: str, argv: Sequence[str], sockets: list[WorkerSockets]) -> None:
+    def __init__(
+        self,
+        module: str,
+        argv: Sequence[str],
+        sockets: list[WorkerSockets],
+        on_death: Callable[[int], None] = lambda index: None,
+    ) -> None:
+        """`on_death(index)` runs when a worker is found dead, before its restart."""
         self.module = module
         self.argv = list(argv)
         self.sockets = sockets
+        self.on_death = on_death
         self.workers = [_Worker(i) for i in range(len(sockets))]
         self._signals: list[int] = []
 
@@ -196,6 +204,7 @@ class Supervisor:
                 continue
             if worker.process is None or (status := worker.process.poll()) is None:
                 continue
+            self.on_death(worker.index)
             if now - worker.started >= HEALTHY_S:
                 worker.backoff_s = RESTART_FIRST_S
             logger.error(
@@ -215,13 +224,19 @@ def _status(code: int) -> str:
     return f"status {code}"
 
 
-def supervise(module: str, argv: Sequence[str], listen: Listen, workers: int) -> int:
+def supervise(
+    module: str,
+    argv: Sequence[str],
+    listen: Listen,
+    workers: int,
+    on_death: Callable[[int], None] = lambda index: None,
+) -> int:
     """Bind the ports for `workers` workers and supervise them until a stop signal."""
     sockets = bind_groups(listen, workers)
     ports = (("tcp", listen.tcp_port), ("udp", listen.udp_port))
     bound = [f"{kind} {listen.host}:{port}" for kind, port in ports if port]
     logger.info("%d workers on %s", workers, " and ".join(bound))
-    return Supervisor(module, _without_workers(argv), sockets).run()
+    return Supervisor(module, _without_workers(argv), sockets, on_death).run()
 
 
 def _without_workers(argv: Sequence[str]) -> list[str]:
