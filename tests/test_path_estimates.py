@@ -218,7 +218,9 @@ async def test_an_inflated_rtt_never_brings_a_stream_deadline_forward(twin_serve
     for extensions in (near_ext, far_ext):
         tag = extensions[TAG]
         assert tag.qos_class == "free-tier" and tag.spec.deadline == tag.arrival + 2.0
-    assert near_ext[PATH].rtt_s < 0.05 and far_ext[PATH].rtt_s >= 0.75
+    # Near: a 1 ms relay, which a loaded CI machine measured at 60 ms once; far from 0.8 s all
+    # the same, and within what the budget below allows.
+    assert near_ext[PATH].rtt_s < 0.1 and far_ext[PATH].rtt_s >= 0.75
     moved = near_ext[DEADLINE].spec.deadline - near_ext[TAG].arrival
     assert 2.4 < moved < 2.56  # 64 x 40 ms, less the way up and the last token's way down
     assert far_ext[DEADLINE].spec == far_ext[TAG].spec  # clamped: the class's own deadline
