@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ from transport.workers import die_with_parent
 from workloads.request import request_from_row
 
 log = logging.getLogger(__name__)
+
+RESTART_S = 0.5
+"""How long after a dead engine host a new one starts; doubled while they keep dying, until
+one has run RESTART_STABLE_S."""
+RESTART_MAX_S = 10.0
+RESTART_STABLE_S = 30.0
 
 
 @dataclass
@@ -204,22 +211,42 @@ async def serve(replicas: ReplicaSet, path: str) -> None:
 @contextlib.contextmanager
 def hosted(argv: list[str], stop_timeout_s: float = 60.0) -> Iterator[str]:
     """An engine host started with `argv` (its options but --socket), ready: the path of its
-    link. It is stopped (SIGTERM, then SIGKILL after `stop_timeout_s`) when the block ends.
-    RuntimeError if it exits before its engines run."""
+    link. One that dies is started again on the same path (after RESTART_S, doubling while it
+    keeps dying), and the workers' replicas reconnect to it as to a server back up. It is
+    stopped (SIGTERM, then SIGKILL after `stop_timeout_s`) when the block ends. RuntimeError
+    if the first one exits before its engines run."""
     folder = tempfile.mkdtemp(prefix="qos-engines-")
     path = str(Path(folder) / "link.sock")
     # A process group of its own, so that a terminal's Ctrl-C does not stop the engines under
     # workers still draining: the block's end stops them, after the workers.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "serving.engine_host", *argv, "--socket", path], process_group=0
-    )
+    command = [sys.executable, "-m", "serving.engine_host", *argv, "--socket", path]
+    running = [subprocess.Popen(command, process_group=0)]
+    stopping = threading.Event()
+
+    def restart() -> None:
+        wait, started = RESTART_S, time.monotonic()
+        while not stopping.wait(0.2):
+            if (code := running[-1].poll()) is None:
+                continue
+            if time.monotonic() - started > RESTART_STABLE_S:
+                wait = RESTART_S
+            log.error("the engine host exited with %s; starting it again in %g s", code, wait)
+            if stopping.wait(wait):
+                return
+            running.append(subprocess.Popen(command, process_group=0))
+            wait, started = min(wait * 2, RESTART_MAX_S), time.monotonic()
+
     try:
         while not _answers(path):
-            if process.poll() is not None:
-                raise RuntimeError(f"the engine host exited with {process.returncode}")
+            if running[0].poll() is not None:
+                raise RuntimeError(f"the engine host exited with {running[0].returncode}")
             time.sleep(0.1)
+        watcher = threading.Thread(target=restart, name="engine host", daemon=True)
+        watcher.start()
         yield path
     finally:
+        stopping.set()
+        process = running[-1]
         process.terminate()
         try:
             process.wait(stop_timeout_s)

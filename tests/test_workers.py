@@ -202,10 +202,16 @@ def twin_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.stop()
 
 
+def engine_host_pids(server: Server) -> list[int]:
+    # Of every thread: a restarted engine host is the child of the thread that restarts it.
+    tasks = Path(f"/proc/{server.pid}/task").glob("*/children")
+    children = [pid for task in tasks for pid in task.read_text().split()]
+    return [int(p) for p in children
+            if "serving.engine_host" in Path(f"/proc/{p}/cmdline").read_text()]  # fmt: skip
+
+
 def engine_host_pid(server: Server) -> int:
-    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
-    (pid,) = [int(p) for p in children
-              if "serving.engine_host" in Path(f"/proc/{p}/cmdline").read_text()]  # fmt: skip
+    (pid,) = engine_host_pids(server)
     return pid
 
 
@@ -288,6 +294,25 @@ def test_a_killed_worker_leaves_the_engines_untouched(twin_workers: Server) -> N
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: worker_pids(twin_workers)[0] != pid, 15, "the worker's restart")
     assert engine_host_pid(twin_workers) == host
+    served = set()
+    for _ in range(TRIES):
+        served.add(http1_worker(twin_workers))
+        if served == {0, 1}:
+            break
+    assert served == {0, 1}
+
+
+def test_a_killed_engine_host_is_started_again_and_the_workers_reconnect(
+    twin_workers: Server,
+) -> None:
+    host = engine_host_pid(twin_workers)
+    os.kill(host, signal.SIGKILL)
+    wait_until(lambda: engine_host_pids(twin_workers) not in ([], [host]), 15, "a new engine host")
+    wait_until(
+        lambda: httpx.get(twin_workers.url + "/readyz", timeout=5).status_code == 200,
+        30,
+        "the workers to find their replicas again",
+    )
     served = set()
     for _ in range(TRIES):
         served.add(http1_worker(twin_workers))
