@@ -308,10 +308,14 @@ def test_a_killed_engine_host_is_started_again_and_the_workers_reconnect(
     host = engine_host_pid(twin_workers)
     os.kill(host, signal.SIGKILL)
     wait_until(lambda: engine_host_pids(twin_workers) not in ([], [host]), 15, "a new engine host")
+    # Each worker reconnects on its own probe (1-5 s): ready on 20 new connections in a row,
+    # both workers were asked (all 20 on one of two: odds of 2 in 2^20).
     wait_until(
-        lambda: httpx.get(twin_workers.url + "/readyz", timeout=5).status_code == 200,
+        lambda: all(
+            httpx.get(twin_workers.url + "/readyz", timeout=5).status_code == 200 for _ in range(20)
+        ),
         30,
-        "the workers to find their replicas again",
+        "both workers to find their replicas again",
     )
     served = set()
     for _ in range(TRIES):
