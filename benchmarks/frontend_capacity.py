@@ -51,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.live import server, tree_cpu_seconds
+from experiments.live import server
 from serving.launch import free_port, launch
+from transport.process_tree import tree_cpu_seconds
 from transport.tls import ensure_certificate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,8 +39,9 @@ from pathlib import Path
 
 import yaml
 
-from experiments.live import VLLM_BENCH, tree_cpu_seconds
+from experiments.live import VLLM_BENCH
 from serving.launch import ROOT, Launched, free_port, launch
+from transport.process_tree import tree_cpu_seconds
 
 MODEL = "null"
 """What the upstreams serve."""

@@ -35,30 +35,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU so far of a process, its live descendants, and the children it has
-    reaped (a supervisor's workers, restarted ones included), from /proc (Linux)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-    tree, grew = {pid}, True
-    while grew:
-        below = {child for child, parent in parents.items() if parent in tree} - tree
-        tree |= below
-        grew = bool(below)
-    total = 0.0
-    for member in tree:
-        try:
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(field) for field in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 @dataclass(frozen=True)
 class LiveServer:
     url: str

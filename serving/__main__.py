@@ -12,7 +12,7 @@ from functools import partial
 from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
-from serving.shared_view import WorkerRows
+from serving.shared_view import SharedView
 from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import QosClassifier
@@ -68,7 +68,7 @@ def main() -> int:
         "they always are",
     )
     # What the supervisor tells a worker (not for people): where the engine host's link is, and
-    # the shared memory of the workers' rows with how many there are (NAME:COUNT).
+    # the folder of what the workers share (`serving.shared_view`).
     parser.add_argument("--engine-host", help=argparse.SUPPRESS)
     parser.add_argument("--shared-view", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -90,7 +90,7 @@ def main() -> int:
     try:
         app = build_app(
             deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host,
-            _shared_view(args.shared_view),
+            SharedView.attach(args.shared_view, deployment) if args.shared_view else None,
         )  # fmt: skip
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
@@ -109,27 +109,21 @@ def main() -> int:
 
 def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen) -> int:
     """Run the workers (and the engine host, for engines that are not remote) until stopped."""
-    rows = WorkerRows.create(args.workers)
+    view = SharedView.create(deployment, args.workers)
     argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
-    argv += ["--shared-view", f"{rows.name}:{args.workers}"]
+    argv += ["--shared-view", str(view.folder)]
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(view.metrics)}
     try:
-        if deployment.remote:  # every worker is a client of the servers themselves
-            return supervise("serving", argv, listen, args.workers, rows.clear)
-        host = ["--config", args.config, "--log-level", args.log_level]
-        host += ["--deployment", deployment.name]
-        host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
-        with hosted(host) as link:
-            argv += ["--engine-host", link]
-            return supervise("serving", argv, listen, args.workers, rows.clear)
+        if not deployment.remote:  # else every worker is a client of the servers themselves
+            host = ["--config", args.config, "--log-level", args.log_level]
+            host += ["--deployment", deployment.name]
+            host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
+            with hosted(host) as link:
+                argv += ["--engine-host", link]
+                return supervise("serving", argv, listen, args.workers, view.clear, env)
+        return supervise("serving", argv, listen, args.workers, view.clear, env)
     finally:
-        rows.close(unlink=True)
-
-
-def _shared_view(given: str | None) -> WorkerRows | None:
-    if given is None:
-        return None
-    name, _, workers = given.rpartition(":")
-    return WorkerRows.attach(name, int(workers))
+        view.close(remove=True)
 
 
 def _route_request_log(where: str) -> None:

@@ -16,8 +16,9 @@ from serving.gateway import Gateway
 from serving.metrics import Metrics
 from serving.outcomes import INVALID
 from serving.pages import add_pages
+from serving.peers import Peers
 from serving.replicas import ReplicaSet
-from serving.shared_view import SharedArrivalRate, WorkerRows
+from serving.shared_view import SharedArrivalRate, SharedView
 from transport.drain import Draining
 from transport.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from transport.qos import QosClassifier, TagRequests
@@ -29,19 +30,26 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     worker: int | None = None,
     engine_host: str | None = None,
-    shared_view: WorkerRows | None = None,
+    shared_view: SharedView | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
     `worker`: this process's index among `--workers`, which its request log names;
     `engine_host`: where the engine link is, when the engines run in an engine host;
-    `shared_view`: the workers' rows, where this worker publishes its arrivals and reads the
-    others'."""
+    `shared_view`: what the workers share (`serving.shared_view`), where this worker
+    publishes its arrivals, its requests and its keys' counts, and reads the others'."""
     replicas = ReplicaSet.from_deployment(deployment, engine_host)
-    metrics = Metrics(replicas, worker)
-    rate = SharedArrivalRate(shared_view, worker or 0) if shared_view is not None else None
+    index = worker or 0
+    rate = accounts = peers = None
+    if shared_view is not None:
+        replicas.share(shared_view.rows, index)
+        rate = SharedArrivalRate(shared_view.rows, index)
+        accounts = shared_view.keys.for_worker(index)
+    metrics = Metrics(replicas, worker, shared_view.metrics if shared_view is not None else None)
+    if shared_view is not None:
+        peers = Peers(shared_view, index, metrics.recent.export)
     policy_ = make_policy(deployment, policy)
-    gateway = Gateway(deployment, replicas, policy_, metrics, rate=rate)
+    gateway = Gateway(deployment, replicas, policy_, metrics, rate=rate, key_accounts=accounts)
     classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager
@@ -55,16 +63,20 @@ def build_app(
         gc.collect()
         gc.freeze()
         loop_lag = asyncio.create_task(gateway.metrics.watch_loop_lag())
+        if peers is not None:
+            await peers.start()
         try:
             yield
         finally:
             loop_lag.cancel()
+            if peers is not None:
+                await peers.close()
             await replicas.close()
 
     drain = stopping_drain(gateway.metrics)
     app = create_app(gateway, lifespan, drain)
     # The playground and the dashboard: routes of the same app, so every transport serves them.
-    add_pages(app, gateway, drain)
+    add_pages(app, gateway, drain, peers)
     # Before the handler parses the request: under overload most requests end here, and the
     # less a refusal costs, the sooner it is answered.
     app.add_middleware(ShedAtTheDoor, gateway=gateway)

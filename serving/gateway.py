@@ -28,7 +28,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from serving.key_limits import KeyLimiter, OverLimit
+from serving.key_limits import KeyLimiter, OverLimit, SharedAccounts
 from serving.metrics import Metrics
 from serving.outcomes import RequestRecord
 from serving.recent import Decision
@@ -124,9 +124,11 @@ class Gateway:
         clock: Clock = time.monotonic,
         admission: Admission | None = None,
         rate: ArrivalRateEstimator | None = None,
+        key_accounts: SharedAccounts | None = None,
     ) -> None:
         """`admission` decides what is shed before routing (default: the deployment's rule);
-        `rate` estimates the arrival rate (default: from this gateway's arrivals alone)."""
+        `rate` estimates the arrival rate (default: from this gateway's arrivals alone);
+        `key_accounts` keeps the keys' counts (default: this gateway's alone)."""
         self.deployment = deployment
         self.replicas = replicas
         self.policy = policy
@@ -134,7 +136,7 @@ class Gateway:
         self.clock = clock
         self.encoder = encoder_for(policy, deployment)
         self.rate = rate or ArrivalRateEstimator()
-        self.limiter = KeyLimiter(self._limits_of)
+        self.limiter = KeyLimiter(self._limits_of, key_accounts)
         self.admission = admission or admission_for(deployment)
 
     async def start(
@@ -287,7 +289,7 @@ class Gateway:
     ) -> None:
         """Tell the dashboard's recorder where the request went and the load it found."""
         chosen = self.replicas[index]
-        in_flight = sum(r.running for r in self.replicas)
+        totals = [self.replicas.totals(i)[0] for i in range(len(self.replicas))]
         self.metrics.recent.routed(
             Decision(
                 at=record.routed or self.clock(),
@@ -297,8 +299,8 @@ class Gateway:
                 asked=asked,
                 model=chosen.model,
                 replica=chosen.name,
-                in_flight=in_flight,
-                at_replica=chosen.running,
+                in_flight=sum(totals),
+                at_replica=totals[index],
                 rate=rate,
             )
         )
@@ -393,13 +395,11 @@ class Generation:
         self._first_at: float | None = None
         self._last_at: float | None = None
         self._outcome: str | None = None
-        replica.running += 1
-        replica.waiting += 1
-        self._waiting = True
-        """Counted in the replica's waiting: no first token yet."""
         self._owed = assumed_output_tokens(request)
         """Output tokens this request may still get: its share of the replica's `owed`."""
-        replica.owed += self._owed
+        replica.count(running=1, waiting=1, owed=self._owed)
+        self._waiting = True
+        """Counted in the replica's waiting: no first token yet."""
         self._holds_replica = True
         """Counted in the replica's running and owed: until the engine is done with it."""
         self._released = False
@@ -487,8 +487,9 @@ class Generation:
         if 0 < before < EARLY_PACE_TOKENS <= self.completion_tokens:
             self._feedback.pace((now - self._first_at) / (self.completion_tokens - 1))
         paid = min(item.tokens, self._owed)
-        self._owed -= paid
-        self.replica.owed -= paid
+        if paid:
+            self._owed -= paid
+            self.replica.count(owed=-paid)
         self.finish_reason = item.finish_reason or self.finish_reason
         return item
 
@@ -546,14 +547,13 @@ class Generation:
     def _stop_waiting(self) -> None:
         if self._waiting:
             self._waiting = False
-            self.replica.waiting -= 1
+            self.replica.count(waiting=-1)
 
     def _free_replica(self) -> None:
         self._stop_waiting()
         if self._holds_replica:
             self._holds_replica = False
-            self.replica.running -= 1
-            self.replica.owed -= self._owed
+            self.replica.count(running=-1, owed=-self._owed)
             self._owed = 0
 
     async def aclose(self) -> None:

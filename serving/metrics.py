@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 from prometheus_client import (
@@ -25,11 +27,13 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from serving.outcomes import CANCELLED, CLIENTS_OWN, OK, SHED, STOPPED, RequestRecord
 from serving.recent import Recent
 from serving.replicas import ReplicaSet
+from transport.process_tree import tree_use
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -44,15 +48,29 @@ request_log = logging.getLogger("serving.requests")
 
 
 class Metrics:
-    def __init__(self, replicas: ReplicaSet, worker: int | None = None) -> None:
+    def __init__(
+        self, replicas: ReplicaSet, worker: int | None = None, shared: Path | None = None
+    ) -> None:
+        """`shared`: with several workers, prometheus_client's multiprocess folder, which
+        PROMETHEUS_MULTIPROC_DIR names (the supervisor sets it before this process started, as
+        the library must know it before its first metric)."""
         self.worker = worker
         """This process's index among `--workers` (None: the only one), for the request log."""
-        self.registry = CollectorRegistry()
+        own = CollectorRegistry()
+        """Where the metrics below live. Alone, the one /metrics reads. With several workers,
+        their values go to files of this process's own in `shared` instead, and /metrics
+        reads every worker's files merged: one set of numbers for the whole server, whichever
+        worker answers, and still counting what a worker served before it died."""
+        self.registry = own
+        if shared is not None:
+            assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == str(shared), shared
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry, path=str(shared))
         self.requests = Counter(
             "serving_requests",
             "Requests by QoS class, model and outcome.",
             ["qos_class", "model", "outcome"],
-            registry=self.registry,
+            registry=own,
         )
         self.limited = Counter(
             "serving_limited",
@@ -60,14 +78,14 @@ class Metrics:
             "tier and the limit (rate or concurrent). Also counted in serving_requests_total "
             "with outcome limited.",
             ["tier", "limit"],
-            registry=self.registry,
+            registry=own,
         )
         self.ttft = Histogram(
             "serving_ttft_seconds",
             "Time from arrival at the server to the first token.",
             ["qos_class", "model"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.queue = Histogram(
             "serving_queue_seconds",
@@ -75,52 +93,54 @@ class Metrics:
             "parsing it, and waiting for the event loop. Every request that reached the handler.",
             ["qos_class"],
             buckets=_QUEUE_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.engine_ttft = Histogram(
             "serving_engine_ttft_seconds",
             "Time from dispatch to a replica until its first token: engine queue and prefill.",
             ["qos_class", "model"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.loop_lag = Histogram(
             "serving_event_loop_lag_seconds",
             "How late the server's event loop ran a timer: time a request's bytes may wait "
             "unread before its arrival is stamped.",
             buckets=_QUEUE_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.tpot = Histogram(
             "serving_tpot_seconds",
             "Mean time per output token after the first, per request.",
             ["qos_class", "model"],
             buckets=_TPOT_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.e2e = Histogram(
             "serving_e2e_seconds",
             "Time from arrival to the last token.",
             ["qos_class", "model"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.slo_met = Counter(
             "serving_slo_met",
             "Completed requests whose time per output token met the SLO.",
             ["qos_class", "model"],
-            registry=self.registry,
+            registry=own,
         )
         self.tokens = Counter(
             "serving_generated_tokens",
             "Output tokens streamed to clients.",
             ["model"],
-            registry=self.registry,
+            registry=own,
         )
         self.arrival_rate = Gauge(
             "serving_router_arrival_rate",
             "The router's arrival-rate estimate (req/s), as the latest request saw it.",
-            registry=self.registry,
+            registry=own,
+            # Every worker's estimate is the whole server's (`serving.shared_view`).
+            multiprocess_mode="livemostrecent",
         )
         self.client_rtt = Histogram(
             "serving_client_rtt_seconds",
@@ -128,18 +148,23 @@ class Metrics:
             "recovery state, TCP_INFO) or a trusted edge forwarded it.",
             ["protocol"],
             buckets=_QUEUE_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.route = Histogram(
             "serving_route_seconds",
             "Time the router took to choose a replica: live view, features and policy.",
             buckets=_ROUTE_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.registry.register(_ReplicaCollector(replicas))
-        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds: the
-        # front-end process's own (engines run in processes of their own).
-        ProcessCollector(registry=self.registry)
+        if shared is None:
+            # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds: the
+            # front-end process's own (engines run in processes of their own).
+            ProcessCollector(registry=self.registry)
+        else:
+            # The same names for the whole server: its supervisor (this worker's parent) and
+            # everything under it.
+            self.registry.register(_TreeCollector(os.getppid()))
         self.recent = Recent(CLIENTS_OWN, SHED)
         """The last decisions and outcomes, and each class's last minute, for the dashboard."""
         self._cut: set[str] = set()
@@ -191,6 +216,34 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class _TreeCollector(Collector):
+    """process_* for a process and everything under it (`transport.process_tree`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def collect(self) -> Iterable[Metric]:
+        use = tree_use(self.pid)
+        yield CounterMetricFamily(
+            "process_cpu_seconds",
+            "User and system CPU of the server's processes (supervisor, workers, engine host, "
+            "their children, and those that exited), in seconds.",
+            value=use.cpu_s,
+        )
+        yield GaugeMetricFamily(
+            "process_resident_memory_bytes",
+            "Resident memory of the server's live processes, summed, in bytes.",
+            value=use.rss_bytes,
+        )
+        yield GaugeMetricFamily(
+            "process_open_fds", "Open file descriptors of the server's live processes.",
+            value=use.open_fds,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "serving_processes", "The server's live processes.", value=use.processes
+        )
+
+
 _REPLICA_LABELS = ["replica", "model"]
 M = TypeVar("M", GaugeMetricFamily, CounterMetricFamily)
 
@@ -204,8 +257,8 @@ class _ReplicaCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         yield self._gauge(
             "serving_replica_in_flight",
-            "Requests the gateway has dispatched to the replica and not finished.",
-            ((r, r.running) for r in self.replicas),
+            "Requests the gateway has dispatched to the replica and not finished (every worker's).",
+            ((r, self.replicas.totals(i)[0]) for i, r in enumerate(self.replicas)),
         )
         yield self._gauge(
             "serving_engine_unfinished",

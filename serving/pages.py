@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
 from serving.gateway import AUTO, Gateway
+from serving.peers import Peers
 from transport.drain import Drain
 from transport.qos import tag_of
 
@@ -80,9 +81,12 @@ class FeedCost:
     snapshots: int = 0
 
 
-def add_pages(app: FastAPI, gateway: Gateway, drain: Drain | None = None) -> None:
+def add_pages(
+    app: FastAPI, gateway: Gateway, drain: Drain | None = None, peers: Peers | None = None
+) -> None:
     """Add the playground and the dashboard to `app`. `drain`: the server's stop, at which
-    the dashboard's feed ends, so that an open dashboard never holds a graceful stop up."""
+    the dashboard's feed ends, so that an open dashboard never holds a graceful stop up.
+    `peers`: the other workers (`--workers`), whose recent past the dashboard shows too."""
     files = _static()
     deployment = gateway.deployment
     admin_tiers = frozenset(name for name, tier in deployment.tiers.items() if tier.admin)
@@ -130,7 +134,10 @@ def add_pages(app: FastAPI, gateway: Gateway, drain: Drain | None = None) -> Non
         refused = _refusal(raw.scope, admin_tiers)
         if refused is not None:
             return refused
-        return Response(_snapshot(gateway, cost), media_type="application/json")
+        return Response(await snapshot(), media_type="application/json")
+
+    async def snapshot() -> bytes:
+        return _snapshot(gateway, cost, await peers.ask() if peers is not None else [])
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def events(raw: Request) -> Response:
@@ -141,7 +148,7 @@ def add_pages(app: FastAPI, gateway: Gateway, drain: Drain | None = None) -> Non
 
         async def feed() -> AsyncIterator[bytes]:
             while drain is None or not drain.draining:
-                yield b"data: " + _snapshot(gateway, cost) + b"\n\n"
+                yield b"data: " + await snapshot() + b"\n\n"
                 await asyncio.sleep(every)
 
         return StreamingResponse(
@@ -201,14 +208,16 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse({"error": error}, status_code=status)
 
 
-def _snapshot(gateway: Gateway, cost: FeedCost) -> bytes:
-    """The dashboard's view of now, as JSON; its CPU is counted in `cost`."""
+def _snapshot(gateway: Gateway, cost: FeedCost, others: list[dict[str, Any]]) -> bytes:
+    """The dashboard's view of now, as JSON, with the other workers' records (`others`); its
+    CPU in this process is counted in `cost`."""
     started = time.thread_time()
     cost.snapshots += 1  # this one included
     now = gateway.clock()
     recent = gateway.metrics.recent
+    merged = recent.merged(others)
     deployment = gateway.deployment
-    minutes = recent.window()
+    minutes = merged.minutes
     classes = []
     for name, qos_class in deployment.qos_classes.items():
         minute = minutes.get(name)
@@ -238,7 +247,7 @@ def _snapshot(gateway: Gateway, cost: FeedCost) -> bytes:
             "at_replica": d.at_replica,
             "rate": round(d.rate, 3),
         }
-        for d in reversed(recent.decisions)
+        for d in reversed(merged.decisions)
     ]
     mono = recent.clock()
     ended = [
@@ -255,7 +264,7 @@ def _snapshot(gateway: Gateway, cost: FeedCost) -> bytes:
             "ttft_s": None if e.ttft_s is None else round(e.ttft_s, 4),
             "tokens": e.tokens,
         }
-        for e in reversed(recent.ended)
+        for e in reversed(merged.ended)
     ]
     view = {
         "deployment": deployment.name,
@@ -263,16 +272,18 @@ def _snapshot(gateway: Gateway, cost: FeedCost) -> bytes:
         "rate": round(gateway.rate.value(now), 3),
         "window_s": recent.window_s,
         "slo_tpot_s": deployment.slo.tpot_s,
+        "workers": merged.workers,
         "replicas": [
             {
                 "name": r.name,
                 "model": r.model,
                 "healthy": r.engine.healthy(),
-                "running": r.running - r.waiting,
-                "waiting": r.waiting,
+                "running": running - waiting,
+                "waiting": waiting,
                 "restarts": r.restarts,
             }
-            for r in gateway.replicas
+            for i, r in enumerate(gateway.replicas)
+            for running, waiting in [gateway.replicas.totals(i)]
         ],
         "classes": classes,
         "decisions": decisions,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from typing import Any, NamedTuple
 
 from serving.outcomes import RequestRecord
 
@@ -80,6 +81,17 @@ class ClassMinute:
     def shed_rate(self) -> float | None:
         """The share of counted requests shed at the door (429 overloaded)."""
         return self.shed / self.counted if self.counted else None
+
+
+class Merged(NamedTuple):
+    """Several workers' recent past as one (`Recent.merged`)."""
+
+    decisions: list[Decision]
+    """Oldest first."""
+    ended: list[Ended]
+    minutes: dict[str, ClassMinute]
+    workers: int
+    """How many workers' records it holds."""
 
 
 class _Slot:
@@ -171,3 +183,31 @@ class Recent:
                 sum(s.shed for s in live),
             )
         return minutes
+
+    def export(self) -> dict[str, Any]:
+        """The decisions, ended requests and minutes as plain data, for another worker's
+        dashboard (`serving.peers`). Their times are `time.monotonic()`, one clock for every
+        process of the host."""
+        return {
+            "decisions": [astuple(d) for d in self.decisions],
+            "ended": [astuple(e) for e in self.ended],
+            "minutes": {name: astuple(m) for name, m in self.window().items()},
+        }
+
+    def merged(self, exports: Collection[dict[str, Any]] = ()) -> Merged:
+        """This recorder's records with other workers' (their `export`): the newest `keep` of
+        each kind, and each class's minute summed."""
+        keep = self.decisions.maxlen
+        decisions = [*self.decisions, *(Decision(*d) for e in exports for d in e["decisions"])]
+        ended = [*self.ended, *(Ended(*x) for e in exports for x in e["ended"])]
+        minutes = self.window()
+        for export in exports:
+            for name, counts in export["minutes"].items():
+                mine = minutes.get(name, ClassMinute(0, 0, 0, 0))
+                minutes[name] = ClassMinute(
+                    *(a + b for a, b in zip(astuple(mine), counts, strict=True))
+                )
+        if exports:
+            decisions = sorted(decisions, key=lambda d: d.at)[-keep:] if keep else decisions
+            ended = sorted(ended, key=lambda e: e.at)[-keep:] if keep else ended
+        return Merged(decisions, ended, minutes, 1 + len(exports))

@@ -8,11 +8,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 from config import Deployment, ReplicaConfig
 from router.admission import OUTPUT_TOKENS_WITHOUT_MAX
 from router.view import ClusterView, ReplicaState
 from serving.engines.base import Engine
+
+if TYPE_CHECKING:
+    from serving.shared_view import WorkerRows
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,16 @@ class Replica:
     """Output tokens still owed to those requests (`router.view.ReplicaState.owed`)."""
     restarts: int = 0
     """Times its engine came back after going down."""
+    publish: Callable[[int, int, int], None] | None = None
+    """Where its running, waiting and owed go for the other workers to read (`--workers`)."""
+
+    def count(self, running: int = 0, waiting: int = 0, owed: int = 0) -> None:
+        """Change the gateway's counts of its requests here."""
+        self.running += running
+        self.waiting += waiting
+        self.owed += owed
+        if self.publish is not None:
+            self.publish(self.running, self.waiting, self.owed)
 
     @property
     def name(self) -> str:
@@ -142,6 +157,22 @@ class ReplicaSet:
         self.replicas = replicas
         self.backoff = backoff
         self._supervisors: list[asyncio.Task[None]] = []
+        self._others: Callable[[int], tuple[int, int, int]] | None = None
+
+    def share(self, rows: WorkerRows, worker: int) -> None:
+        """Publish this worker's counts in its row of `rows`, and count the other workers'
+        requests from theirs."""
+        for index, replica in enumerate(self.replicas):
+            replica.publish = partial(rows.publish, worker, index)
+        self._others = partial(rows.others, worker)
+
+    def totals(self, index: int) -> tuple[int, int]:
+        """Replica `index`'s running and waiting requests over every worker."""
+        replica = self.replicas[index]
+        if self._others is None:
+            return replica.running, replica.waiting
+        running, waiting, _ = self._others(index)
+        return replica.running + running, replica.waiting + waiting
 
     @classmethod
     def from_deployment(cls, deployment: Deployment, engine_host: str | None = None) -> ReplicaSet:
@@ -198,24 +229,36 @@ class ReplicaSet:
     def view(self, model: str | None = None, exclude: Collection[str] = ()) -> ClusterView:
         """The live state. With `model`, only that model's replicas count as available; replicas
         named in `exclude` never do."""
-        return ClusterView(tuple(self._state(r, model, exclude) for r in self.replicas))
+        return ClusterView(
+            tuple(self._state(i, r, model, exclude) for i, r in enumerate(self.replicas))
+        )
 
-    @staticmethod
-    def _state(r: Replica, model: str | None, exclude: Collection[str]) -> ReplicaState:
-        """One replica's state: the gateway's exact count of its own requests, plus those its
-        server reports from other clients, where it reports and the report is fresh."""
+    def _state(
+        self, index: int, r: Replica, model: str | None, exclude: Collection[str]
+    ) -> ReplicaState:
+        """One replica's state: the gateway's exact count of its own requests, plus the other
+        workers' from their rows (exact as of their last change), plus those its server reports
+        from other clients, where it reports and the report is fresh. The server's report counts
+        the other workers' requests too, as of the report: of the two, the larger is taken."""
         available = r.engine.healthy() and model in (None, r.model) and r.name not in exclude
+        running, owed = r.running, r.owed
+        shared_running = shared_owed = 0
+        if self._others is not None:
+            shared_running, _, shared_owed = self._others(index)
         load = r.engine.load()
         if load is None or load.stale:
-            return ReplicaState(r.name, r.model, r.running, available, r.owed)
+            return ReplicaState(
+                r.name, r.model, running + shared_running, available, owed + shared_owed
+            )
         # Other clients' requests are taken to owe what this gateway's own do on average.
         each = r.owed // r.running if r.running else OUTPUT_TOKENS_WITHOUT_MAX
+        unshared = max(0, load.others - shared_running)
         return ReplicaState(
             r.name,
             r.model,
-            r.running + load.others,
+            running + shared_running + unshared,
             available,
-            r.owed + load.others * each,
+            owed + shared_owed + unshared * each,
             load.batch_cap,
         )
 
@@ -224,3 +267,6 @@ class ReplicaSet:
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self.replicas)
+
+    def __len__(self) -> int:
+        return len(self.replicas)

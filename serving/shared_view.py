@@ -1,69 +1,71 @@
-"""What the workers of one server (`--workers N`) share through shared memory: a row per worker,
-which only that worker writes and every worker reads, with no locks.
+"""What the workers of one server (`--workers N`) share: a directory the supervisor makes before
+it starts them (on tmpfs, where the host has one) and removes after the last has stopped.
 
-A row holds the worker's arrival-rate level (`router.features.ArrivalRateEstimator`) and when
-it last changed. The estimator's level is a sum of one decaying term per arrival, so the levels
-of all rows, each decayed to the same moment, add up to exactly the estimate one process would
-make from every arrival: each worker routes on the whole server's arrival rate. (The replicas'
-loads are shared another way: each worker counts its own requests exactly and hears the others'
-from the engines, over the engine link or a server's /metrics.)
+- `rows`: a row per worker, which only that worker writes and every worker reads, with no
+  locks (`WorkerRows`): its arrival-rate level, and its requests at each replica.
+- `keys`: the API keys' accounts, for limits that hold across workers
+  (`serving.key_limits.SharedAccounts`).
+- `metrics/`: prometheus_client's multiprocess files, one set per worker process, merged at
+  each scrape (`serving.metrics`).
+- `worker-<i>.sock`: where worker i answers the others' questions (`serving.peers`).
 
-A row is written under a sequence count, odd while the write is under way (a seqlock): a reader
-that finds it odd, or changed across its read, reads again, so that it never combines one
-write's level with another's time. The supervisor clears a dead worker's row before its
-restart: its arrivals leave the estimate, as they would have within the horizon anyway.
+The supervisor clears what a dead worker leaves (`SharedView.clear`) before its restart.
 """
 
 from __future__ import annotations
 
 import math
-from multiprocessing import shared_memory
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
+from config import Deployment
 from router.features import ArrivalRateEstimator
+from serving.key_limits import SharedAccounts, key_slots
 
-_FIELDS = 3
-"""A row: its sequence count, the level, and the time the level was set (`time.monotonic()`,
-one clock for every process of the host), 8 bytes each. They are read and written one 8-byte
-item at a time through typed views of the block: `struct.pack_into` would not do, since it
-zeroes the whole field before it writes it, and a reader could take the zeroed count for an
-even one."""
-
+_ROW_HEAD = 3
+"""A row starts with its sequence count, the level, and the time the level was set
+(`time.monotonic()`, one clock for every process of the host); then each replica's running,
+waiting and owed (`serving.replicas.Replica`). 8 bytes each, read and written one 8-byte item
+at a time through typed views of the block: `struct.pack_into` would not do, since it zeroes
+the whole field before it writes it, and a reader could take the zeroed count for an even one."""
+_PER_REPLICA = 3
 
 _READ_TRIES = 10_000
 """A live writer holds a row odd for a few hundred nanoseconds; far longer, it died there."""
 
 
+def _mapped(path: Path, size: int, create: bool) -> mmap.mmap:
+    with open(path, "w+b" if create else "r+b") as file:
+        if create:
+            file.truncate(size)
+        return mmap.mmap(file.fileno(), size)
+
+
 class WorkerRows:
-    def __init__(self, memory: shared_memory.SharedMemory, workers: int) -> None:
-        self.memory = memory
+    """The arrival level is written under a sequence count, odd while the write is under way (a
+    seqlock): a reader that finds it odd, or changed across its read, reads again, so that it
+    never combines one write's level with another's time. The replica counts are single words
+    read one at a time: a reader may see a request in one worker's running and not yet in its
+    owed, which is off by one request for a moment, never torn."""
+
+    def __init__(self, block: mmap.mmap, workers: int, replicas: int) -> None:
+        self.block = block
         self.workers = workers
-        assert memory.buf is not None and len(memory.buf) >= 8 * _FIELDS * workers
-        self._counts = memory.buf.cast("q")
-        self._values = memory.buf.cast("d")
+        self.replicas = replicas
+        self.width = _ROW_HEAD + _PER_REPLICA * replicas
+        assert len(block) >= 8 * self.width * workers
+        self._counts = memoryview(block).cast("q")
+        self._values = memoryview(block).cast("d")
 
-    @classmethod
-    def create(cls, workers: int) -> WorkerRows:
-        """New rows, all clear, for the supervisor to hand down by `name`."""
-        memory = shared_memory.SharedMemory(create=True, size=8 * _FIELDS * workers)
-        rows = cls(memory, workers)
-        for index in range(workers):
-            rows.clear(index)
-        return rows
-
-    @classmethod
-    def attach(cls, name: str, workers: int) -> WorkerRows:
-        # track=False (3.13) is not here: the resource tracker would unlink the block when the
-        # first worker exits; the supervisor owns it, so a worker's tracker must not.
-        memory = shared_memory.SharedMemory(name=name)
-        _untrack(memory)
-        return cls(memory, workers)
-
-    @property
-    def name(self) -> str:
-        return self.memory.name
+    @staticmethod
+    def size(workers: int, replicas: int) -> int:
+        return 8 * (_ROW_HEAD + _PER_REPLICA * replicas) * workers
 
     def write(self, index: int, level: float, at: float) -> None:
-        row = index * _FIELDS
+        row = index * self.width
         # Odd while written; odd already if a writer was killed mid-write (the supervisor's
         # clear then ends even all the same).
         sequence = self._counts[row] | 1
@@ -75,7 +77,7 @@ class WorkerRows:
     def read(self, index: int) -> tuple[float, float]:
         """The row's level and time; (0, 0) for a row that stays mid-write, whose worker died
         writing it (its supervisor clears it)."""
-        row = index * _FIELDS
+        row = index * self.width
         for _ in range(_READ_TRIES):
             sequence = self._counts[row]
             if sequence % 2:
@@ -85,26 +87,94 @@ class WorkerRows:
                 return level, at
         return 0.0, 0.0
 
+    def publish(self, index: int, replica: int, running: int, waiting: int, owed: int) -> None:
+        cell = index * self.width + _ROW_HEAD + _PER_REPLICA * replica
+        self._counts[cell] = running
+        self._counts[cell + 1] = waiting
+        self._counts[cell + 2] = owed
+
+    def others(self, index: int, replica: int) -> tuple[int, int, int]:
+        """The running, waiting and owed of every other worker at `replica`, summed."""
+        running = waiting = owed = 0
+        cell = _ROW_HEAD + _PER_REPLICA * replica
+        for other in range(self.workers):
+            if other != index:
+                at = other * self.width + cell
+                running += self._counts[at]
+                waiting += self._counts[at + 1]
+                owed += self._counts[at + 2]
+        return running, waiting, owed
+
     def clear(self, index: int) -> None:
         self.write(index, 0.0, 0.0)
+        for replica in range(self.replicas):
+            self.publish(index, replica, 0, 0, 0)
 
-    def close(self, unlink: bool = False) -> None:
+    def close(self) -> None:
         self._counts.release()
         self._values.release()
-        self.memory.close()
-        if unlink:
-            self.memory.unlink()
+        self.block.close()
 
 
-def _untrack(memory: shared_memory.SharedMemory) -> None:
-    from multiprocessing import resource_tracker
+class SharedView:
+    def __init__(self, folder: Path, workers: int, deployment: Deployment) -> None:
+        """Map the view in `folder` of `workers` workers of `deployment` (every worker runs the
+        same deployment, so each lays the rows and the keys' accounts out the same way)."""
+        self.folder = folder
+        self.workers = workers
+        create = not (folder / "rows").exists()
+        replicas = len(deployment.replicas)
+        block = _mapped(folder / "rows", WorkerRows.size(workers, replicas), create)
+        self.rows = WorkerRows(block, workers, replicas)
+        self.keys = SharedAccounts(folder / "keys", key_slots(deployment), workers, create)
 
-    resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
+    @classmethod
+    def create(cls, deployment: Deployment, workers: int) -> SharedView:
+        """A new view, all clear, for the supervisor: a private folder (mkdtemp's 0700)."""
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = Path(tempfile.mkdtemp(prefix="serving-", dir=base))
+        (folder / "metrics").mkdir()
+        (folder / "workers").write_text(str(workers))
+        return cls(folder, workers, deployment)
+
+    @classmethod
+    def attach(cls, folder: str, deployment: Deployment) -> SharedView:
+        return cls(Path(folder), int((Path(folder) / "workers").read_text()), deployment)
+
+    @property
+    def metrics(self) -> Path:
+        """prometheus_client's multiprocess folder (PROMETHEUS_MULTIPROC_DIR)."""
+        return self.folder / "metrics"
+
+    def socket(self, index: int) -> Path:
+        return self.folder / f"worker-{index}.sock"
+
+    def clear(self, index: int, pid: int) -> None:
+        """Forget what worker `index` (process `pid`), now dead, held: its arrivals leave the
+        estimate (as they would have within the horizon anyway), its requests leave the
+        replicas' counts and its keys' in-flight counts, its live gauges leave /metrics. Its
+        counters stay: what it served was served."""
+        from prometheus_client import multiprocess
+
+        self.rows.clear(index)
+        self.keys.clear(index)
+        multiprocess.mark_process_dead(pid, str(self.metrics))
+        self.socket(index).unlink(missing_ok=True)
+
+    def close(self, remove: bool = False) -> None:
+        self.rows.close()
+        self.keys.close()
+        if remove:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class SharedArrivalRate(ArrivalRateEstimator):
     """The arrival rate over every worker's arrivals: this worker's own estimate, published in
-    its row, plus the other rows' levels decayed to now."""
+    its row, plus the other rows' levels decayed to now.
+
+    The estimator's level is a sum of one decaying term per arrival, so the levels of all rows,
+    each decayed to the same moment, add up to exactly the estimate one process would make from
+    every arrival: each worker routes on the whole server's arrival rate."""
 
     def __init__(self, rows: WorkerRows, index: int, horizon_s: float = 10.0) -> None:
         super().__init__(horizon_s)

@@ -20,6 +20,8 @@ import pytest
 from serving.launch import free_port
 from tests.conftest import (
     CERT,
+    METERED_KEY,
+    SINGLE_KEY,
     Server,
     launch,
     null_remote_config,
@@ -215,15 +217,17 @@ def engine_host_pid(server: Server) -> int:
     return pid
 
 
+def total(text: str, prefix: str) -> float:
+    """The sum of the samples of an exposition whose lines start with `prefix`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix))  # fmt: skip
+
+
 def scrape(server: Server) -> tuple[float, float]:
-    """One worker's /metrics (whichever the new connection reaches): the requests it holds in
-    flight, and those it sees the other worker hold, over all replicas."""
+    """One worker's /metrics (whichever the new connection reaches): the requests in flight over
+    all replicas, and those the engine host reports the other worker to hold."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    own = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("serving_replica_in_flight{"))  # fmt: skip
-    others = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                 if line.startswith("serving_upstream_others{"))  # fmt: skip
-    return own, others
+    return total(text, "serving_replica_in_flight{"), total(text, "serving_upstream_others{")
 
 
 def test_every_worker_routes_on_the_whole_servers_arrival_rate(twin_workers: Server) -> None:
@@ -243,17 +247,14 @@ def test_every_worker_routes_on_the_whole_servers_arrival_rate(twin_workers: Ser
             if line["arrival"] < last and (everyone or line["worker"] == worker)
         )
 
-    gauges = set()
-    for _ in range(TRIES):
-        text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
-        gauges |= {float(line.split()[1]) for line in text.splitlines()
-                   if line.startswith("serving_router_arrival_rate ")}  # fmt: skip
-        if len(gauges) == 2:
-            break
-    whole = sorted(found(worker, True) for worker in (0, 1))
-    own = sorted(found(worker, False) for worker in (0, 1))
-    # Each worker's gauge is the rate over both workers' arrivals, about twice its own share.
-    assert sorted(gauges) == pytest.approx(whole, rel=0.05), (sorted(gauges), whole, own)
+    text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
+    (gauge,) = (float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("serving_router_arrival_rate "))  # fmt: skip
+    # The gauge is the latest arrival's rate (both workers' gauges merged: the most recent),
+    # and that is the rate over both workers' arrivals, not its own worker's share.
+    latest = max(arrivals, key=lambda line: line["arrival"])["worker"]
+    assert gauge == pytest.approx(found(latest, True), rel=0.05)
+    assert gauge > 1.5 * found(latest, False)
 
 
 def test_workers_share_the_engine_host_and_see_each_others_load(twin_workers: Server) -> None:
@@ -282,8 +283,9 @@ def test_workers_share_the_engine_host_and_see_each_others_load(twin_workers: Se
         done.set()
         for thread in threads:
             thread.join(60)
-    # Every worker sees all the streams: its own exactly, the other's from the host's report.
-    assert not [view for view in views if sum(view) != streams]
+    # Every worker sees all the streams exactly: its own, and the other's from its row. The
+    # engine host's reports say the same of the other's.
+    assert not [view for view in views if view[0] != streams]
     assert any(others > 0 for _, others in views), views
     assert engine_host_pid(twin_workers) == host
 
@@ -323,3 +325,85 @@ def test_a_killed_engine_host_is_started_again_and_the_workers_reconnect(
         if served == {0, 1}:
             break
     assert served == {0, 1}
+
+
+def test_metrics_and_the_dashboard_cover_every_worker(twin_workers: Server) -> None:
+    for _ in range(TRIES):
+        http1_worker(twin_workers, max_tokens=1)
+    ok = [line for line in twin_workers.requests_logged() if line["outcome"] == "ok"]
+    assert {line["worker"] for line in ok} == {0, 1}
+
+    def scraped() -> float:
+        text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
+        ok = (line for line in text.splitlines() if 'outcome="ok"' in line)
+        return total("\n".join(ok), "serving_requests_total{")
+
+    # Every scrape, whichever worker answers it, counts every request either served.
+    assert {scraped() for _ in range(10)} == {len(ok)}
+    text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
+    # The whole server's processes: the supervisor, both workers and the engine host.
+    assert total(text, "serving_processes ") >= 4
+    assert total(text, "process_cpu_seconds_total ") > 0
+
+    seen: set[int] = set()
+    for _ in range(TRIES):
+        state = httpx.get(twin_workers.url + "/dashboard/state", timeout=10).json()
+        ids = {d["request_id"] for d in state["decisions"]}
+        seen |= {line["worker"] for line in ok if line["request_id"] in ids}
+        if state["workers"] == 2 and seen == {0, 1}:
+            break
+    # The dashboard's last decisions come from both workers, whichever answered.
+    assert state["workers"] == 2 and seen == {0, 1}
+
+    # /metrics keeps counting what a worker served once that worker is dead.
+    pid = worker_pids(twin_workers)[1]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: worker_pids(twin_workers)[1] != pid, 15, "the worker's restart")
+    assert {scraped() for _ in range(10)} == {len(ok)}
+
+
+def keyed(server: Server, key: str) -> httpx.Response:
+    body = {"messages": HI, "max_tokens": 2}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"authorization": f"Bearer {key}"})  # fmt: skip
+
+
+def test_a_keys_limits_hold_over_every_worker(twin_workers: Server) -> None:
+    before = len(twin_workers.requests_logged())
+    # A burst of 2 at 0.01 req/s: 2 requests in all, on new connections to either worker.
+    codes = [keyed(twin_workers, METERED_KEY).status_code for _ in range(TRIES)]
+    assert codes.count(200) == 2 and codes.count(429) == TRIES - 2
+    limited = [line for line in twin_workers.requests_logged()[before:]
+               if line["outcome"] == "limited"]  # fmt: skip
+    assert {line["worker"] for line in limited} == {0, 1}
+
+    # Concurrency 1: one stream held at one worker, every other request refused at both.
+    begun, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        body = {"messages": HI, "max_tokens": 1_500, "stream": True, "ignore_eos": True}
+        with httpx.stream(
+            "POST", twin_workers.url + "/v1/chat/completions", json=body, timeout=60,
+            headers={"authorization": f"Bearer {SINGLE_KEY}"},
+        ) as answer:  # fmt: skip
+            assert answer.status_code == 200
+            lines = answer.iter_lines()  # held: a dropped iterator closes the response
+            next(line for line in lines if line.startswith("data:"))
+            begun.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert begun.wait(30)
+        before = len(twin_workers.requests_logged())
+        codes = [keyed(twin_workers, SINGLE_KEY).status_code for _ in range(TRIES)]
+        refused = [line for line in twin_workers.requests_logged()[before:]
+                   if line["outcome"] == "limited"]  # fmt: skip
+    finally:
+        done.set()
+        holder.join(60)
+    assert set(codes) == {429}
+    assert {line["worker"] for line in refused} == {0, 1}
+    # Released at its end: the key is served again.
+    wait_until(lambda: keyed(twin_workers, SINGLE_KEY).status_code == 200, 15, "the release")

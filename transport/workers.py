@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import FrameType
 
@@ -150,13 +150,16 @@ class Supervisor:
         module: str,
         argv: Sequence[str],
         sockets: list[WorkerSockets],
-        on_death: Callable[[int], None] = lambda index: None,
+        on_death: Callable[[int, int], None] = lambda index, pid: None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        """`on_death(index)` runs when a worker is found dead, before its restart."""
+        """`on_death(index, pid)` runs when a worker is found dead, before its restart; `env`
+        is added to the workers' environment."""
         self.module = module
         self.argv = list(argv)
         self.sockets = sockets
         self.on_death = on_death
+        self.env = {**os.environ, **env} if env else None
         self.workers = [_Worker(i) for i in range(len(sockets))]
         self._signals: list[int] = []
 
@@ -165,7 +168,7 @@ class Supervisor:
         command = [sys.executable, "-m", self.module, *self.argv,
                    "--worker-index", str(worker.index), *given.fds()]  # fmt: skip
         fds = [s.fileno() for s in (given.tcp, given.udp) if s is not None]
-        worker.process = subprocess.Popen(command, pass_fds=fds, process_group=0)
+        worker.process = subprocess.Popen(command, pass_fds=fds, process_group=0, env=self.env)
         worker.started, worker.restart_at = time.monotonic(), None
         logger.info("worker %d started (pid %d)", worker.index, worker.process.pid)
 
@@ -204,7 +207,7 @@ class Supervisor:
                 continue
             if worker.process is None or (status := worker.process.poll()) is None:
                 continue
-            self.on_death(worker.index)
+            self.on_death(worker.index, worker.process.pid)
             if now - worker.started >= HEALTHY_S:
                 worker.backoff_s = RESTART_FIRST_S
             logger.error(
@@ -229,14 +232,15 @@ def supervise(
     argv: Sequence[str],
     listen: Listen,
     workers: int,
-    on_death: Callable[[int], None] = lambda index: None,
+    on_death: Callable[[int, int], None] = lambda index, pid: None,
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """Bind the ports for `workers` workers and supervise them until a stop signal."""
     sockets = bind_groups(listen, workers)
     ports = (("tcp", listen.tcp_port), ("udp", listen.udp_port))
     bound = [f"{kind} {listen.host}:{port}" for kind, port in ports if port]
     logger.info("%d workers on %s", workers, " and ".join(bound))
-    return Supervisor(module, _without_workers(argv), sockets, on_death).run()
+    return Supervisor(module, _without_workers(argv), sockets, on_death, env).run()
 
 
 def _without_workers(argv: Sequence[str]) -> list[str]:
