@@ -29,7 +29,7 @@ from tqdm import tqdm
 from config import DEFAULT_PATH, Deployment, load_deployment
 from experiments.output import write_csv
 from router.evaluate import mean_reward, simulate
-from router.policies import make_policy
+from router.policies import DqnPolicy, Policy, make_policy
 from router.sim import Simulator
 from router.stale import StaleSimulator
 from workloads.arrivals import Poisson
@@ -47,7 +47,12 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 
 def one_run(
-    deployment: Deployment, rate: float, stale_ms: float, seed: int, args: argparse.Namespace
+    deployment: Deployment,
+    policy: Policy,
+    rate: float,
+    stale_ms: float,
+    seed: int,
+    args: argparse.Namespace,
 ) -> dict[str, float]:
     """One simulated run: its mean reward, its SLO attainment per class, its imbalance."""
     made: list[StaleSimulator] = []
@@ -61,8 +66,7 @@ def one_run(
         return stale
 
     spec = WorkloadSpec(arrivals=Poisson(rate), classes=args.classes)
-    done = simulate(deployment, make_policy(deployment), spec, seed, duration=args.duration,
-                    simulator=simulator)  # fmt: skip
+    done = simulate(deployment, policy, spec, seed, duration=args.duration, simulator=simulator)
     result = {"reward": mean_reward(deployment, done),
               "imbalance": statistics.fmean(made[-1].imbalance or [1.0])}  # fmt: skip
     for qos_class in args.classes:
@@ -78,12 +82,16 @@ def plot(rows: list[dict[str, object]], rates: list[float], args: argparse.Names
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for rate in rates:
-        mine = [r for r in rows if r["rate"] == rate]
-        xs = [max(float(r["staleness_ms"]), 1.0) for r in mine]  # type: ignore[arg-type]
-        axes[0].errorbar(xs, [r["reward"] for r in mine], yerr=[r["reward_ci95"] for r in mine],
-                         marker="o", capsize=3, label=f"{rate:g} req/s")  # fmt: skip
-        axes[1].plot(xs, [r["imbalance"] for r in mine], marker="o", label=f"{rate:g} req/s")
+    labels = list(dict.fromkeys(str(r["policy"]) for r in rows))
+    for label in labels:
+        for rate in rates:
+            mine = [r for r in rows if r["rate"] == rate and r["policy"] == label]
+            xs = [max(float(r["staleness_ms"]), 1.0) for r in mine]  # type: ignore[arg-type]
+            name = f"{rate:g} req/s" + (f", {label}" if len(labels) > 1 else "")
+            axes[0].errorbar(xs, [r["reward"] for r in mine],
+                             yerr=[r["reward_ci95"] for r in mine], marker="o", capsize=3,
+                             label=name)  # fmt: skip
+            axes[1].plot(xs, [r["imbalance"] for r in mine], marker="o", label=name)
     for axis, label in zip(
         axes, ("mean reward per request", "busiest replica / mean"), strict=True
     ):
@@ -116,40 +124,67 @@ def main(argv: list[str] | None = None) -> int:
         help="the QoS class mix, class:weight,...",
     )
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per run")
+    parser.add_argument(
+        "--policies",
+        help="DQN policy files to compare, comma-separated, each run on the same workloads "
+        "(default: the deployment's own policy)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "stale_view")
     args = parser.parse_args(argv)
     deployment = load_deployment(args.config, args.deployment)
     staleness = [float(s) for s in args.staleness_ms.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
-    runs = [(r, s, seed) for r in rates for s in staleness for seed in range(args.seeds)]
-    raw: dict[tuple[float, float], list[dict[str, float]]] = {}
-    for rate, stale_ms, seed in tqdm(runs, unit="run", desc="simulated"):
-        raw.setdefault((rate, stale_ms), []).append(one_run(deployment, rate, stale_ms, seed, args))
+    policies = _policies(deployment, args.policies)
+    runs = [(p, r, s, seed) for p in policies for r in rates for s in staleness
+            for seed in range(args.seeds)]  # fmt: skip
+    raw: dict[tuple[str, float, float], list[dict[str, float]]] = {}
+    for label, rate, stale_ms, seed in tqdm(runs, unit="run", desc="simulated"):
+        result = one_run(deployment, policies[label], rate, stale_ms, seed, args)
+        raw.setdefault((label, rate, stale_ms), []).append(result)
+    first = next(iter(policies))
     rows = []
-    for (rate, stale_ms), results in raw.items():
-        row: dict[str, object] = {"rate": rate, "staleness_ms": stale_ms, "routers": args.routers}
+    for (label, rate, stale_ms), results in raw.items():
+        row: dict[str, object] = {"policy": label, "rate": rate, "staleness_ms": stale_ms,
+                                  "routers": args.routers}  # fmt: skip
         for key in results[0]:
             mean, half = mean_ci([r[key] for r in results])
             row[key], row[f"{key}_ci95"] = round(mean, 4), round(half, 4)
-        exact = statistics.fmean(r["reward"] for r in raw[(rate, staleness[0])])
+        exact = statistics.fmean(r["reward"] for r in raw[(label, rate, staleness[0])])
         row["reward_lost"] = round(exact - float(row["reward"]), 4)  # type: ignore[arg-type]
+        # Against the first policy on the same workloads (same seeds): paired differences.
+        gains = [a["reward"] - b["reward"]
+                 for a, b in zip(results, raw[(first, rate, stale_ms)], strict=True)]  # fmt: skip
+        row["gain"], row["gain_ci95"] = (round(x, 4) for x in mean_ci(gains))
         rows.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "stale_view.csv", rows)
     classes = list(args.classes)
     print(f"\n{args.deployment}, {args.routers} routers, {args.seeds} seeds x {args.duration:g} s; "
           f"reward lost against staleness {staleness[0]:g} ms\n")  # fmt: skip
-    print("| rate | staleness | mean reward (95% CI) | lost | " + " | ".join(
+    print(f"| policy | rate | staleness | mean reward (95% CI) | lost | vs {first} | " + " | ".join(
         f"SLO {c}" for c in classes) + " | imbalance |")  # fmt: skip
-    print("|---" * (5 + len(classes)) + "|")
+    print("|---" * (7 + len(classes)) + "|")
     for row in rows:
         slo = " | ".join(f"{row[f'slo:{c}']:.3f}" for c in classes)
-        print(f"| {row['rate']:g} req/s | {row['staleness_ms']:g} ms | {row['reward']:.4f} "
-              f"± {row['reward_ci95']:.4f} | {row['reward_lost']:+.4f} | {slo} "
+        print(f"| {row['policy']} | {row['rate']:g} req/s | {row['staleness_ms']:g} ms "
+              f"| {row['reward']:.4f} ± {row['reward_ci95']:.4f} | {row['reward_lost']:+.4f} "
+              f"| {row['gain']:+.4f} ± {row['gain_ci95']:.4f} | {slo} "
               f"| {row['imbalance']:.2f} |")  # fmt: skip
     plot(rows, rates, args)
     print(f"\nwrote {args.out / 'stale_view.csv'} and {args.out / 'stale_view.png'}")
     return 0
+
+
+def _policies(deployment: Deployment, given: str | None) -> dict[str, Policy]:
+    """The policies to compare, by label (a file's stem); the deployment's own by default."""
+    if not given:
+        return {"shipped": make_policy(deployment)}
+    policies: dict[str, Policy] = {}
+    for path in given.split(","):
+        policy = DqnPolicy.load(path)
+        policy.check_fits(deployment)
+        policies[Path(path).stem] = policy
+    return policies
 
 
 if __name__ == "__main__":

@@ -97,13 +97,20 @@ VALIDATION_SEED = 10_000
 
 
 def validation_reward(
-    deployment: Deployment, policy: Policy, episodes: int = 6, episode_requests: int = 1000
+    deployment: Deployment,
+    policy: Policy,
+    episodes: int = 6,
+    episode_requests: int = 1000,
+    simulator: Callable[[], Simulator] | None = None,
 ) -> float:
-    """Mean reward per request on fixed training-like workloads, to pick among checkpoints."""
+    """Mean reward per request on fixed training-like workloads, to pick among checkpoints.
+    `simulator` makes each episode's simulator (default: the deployment's, with exact views)."""
     finished = [
         f
         for spec, seed in training_workloads(deployment, episodes, VALIDATION_SEED)
-        for f in simulate(deployment, policy, spec, seed, requests=episode_requests)
+        for f in simulate(
+            deployment, policy, spec, seed, requests=episode_requests, simulator=simulator
+        )
     ]
     return mean_reward(deployment, finished)
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from router.env import RandomRates, RoutingEnv
 from router.evaluate import validation_reward
 from router.policies import DqnPolicy
+from router.sim import Simulator
+from router.stale import StaleSimulator
 
 HYPERPARAMETERS: dict[str, Any] = {
     "learning_rate": 1e-4,
@@ -171,13 +175,21 @@ class Validation:
     EvalCallback keeps a best model. DQN's greedy policy can get worse with more training (it
     did here: see the README), so the last network is not necessarily the one to route with."""
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        simulators: Callable[[], Callable[[], Simulator]] | None = None,
+    ) -> None:
+        """`simulators()`: each validation's simulators, the same sequence every time (default:
+        the deployment's, with exact views)."""
         self.deployment = deployment
+        self.simulators = simulators
         self.evaluations: list[tuple[int, float]] = []
         self.best: tuple[float, int, DqnPolicy] | None = None
 
     def record(self, step: int, policy: DqnPolicy) -> float:
-        reward = validation_reward(self.deployment, policy)
+        simulator = self.simulators() if self.simulators is not None else None
+        reward = validation_reward(self.deployment, policy, simulator=simulator)
         self.evaluations.append((step, reward))
         if self.best is None or reward > self.best[0]:
             self.best = (reward, step, policy)
@@ -262,7 +274,26 @@ def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
         episode_requests=args.episode_requests,
         action=args.action,
         credit="request",
+        simulator=stale_simulators(deployment, args) if args.stale_ms else None,
     )
+
+
+def stale_simulators(
+    deployment: Deployment, args: argparse.Namespace, seed: int | None = None
+) -> Callable[[], Simulator]:
+    """Each episode's simulator: `args.routers` routers over the fleet, the one routing each
+    request seeing the others' requests as of a snapshot whose age each episode draws from
+    `args.stale_ms` (`router.stale`), as workers on several hosts would."""
+    rng = random.Random(args.seed if seed is None else seed)
+    intervals = [float(ms) / 1000 for ms in args.stale_ms.split(",")]
+
+    def simulator() -> Simulator:
+        return StaleSimulator.from_deployment(
+            deployment, routers=args.routers, interval_s=rng.choice(intervals),
+            seed=rng.randrange(2**31),
+        )  # fmt: skip
+
+    return simulator
 
 
 def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, Any]) -> DqnPolicy:
@@ -353,7 +384,7 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]
-    validation = Validation(deployment)
+    validation = Validation(deployment, _validation_simulators(deployment, args))
     best = BestPolicy(validation, env, args.eval_every)
     callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
     if args.checkpoint_every:
@@ -390,7 +421,7 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     found = _checkpoints(args.logdir / "checkpoints")
     if not found:
         raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
-    validation = Validation(deployment)
+    validation = Validation(deployment, _validation_simulators(deployment, args))
     for path in found:
         policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
         reward = validation.record(_step(path), policy)
@@ -405,6 +436,18 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     )
 
 
+def _validation_simulators(
+    deployment: Deployment, args: argparse.Namespace
+) -> Callable[[], Callable[[], Simulator]] | None:
+    """Validation on the views training sees: stale ones, drawn afresh from one seed each time."""
+    if not args.stale_ms:
+        return None
+    return lambda: stale_simulators(deployment, args, seed=VALIDATION_STALE_SEED)
+
+
+VALIDATION_STALE_SEED = 20_261_128
+
+
 def _meta(
     args: argparse.Namespace, deployment: Deployment, steps: int, learning_starts: int
 ) -> dict[str, Any]:
@@ -414,6 +457,9 @@ def _meta(
         "path_mix": deployment.path_mix,
         "steps": int(steps),
         "seed": args.seed,
+        "stale_view": {"routers": args.routers, "staleness_ms": args.stale_ms}
+        if args.stale_ms
+        else None,
         "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
         # The rewards it learned from: a policy trained on another table is stale.
         "quality": deployment.quality,
@@ -453,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=HYPERPARAMETERS["learning_starts"],
         help="random steps before the first update",
     )
+    parser.add_argument(
+        "--stale-ms",
+        metavar="LIST",
+        help="train on stale views: --routers routers, each seeing the others' requests as of "
+        "a snapshot refreshed every one of these ms, drawn per episode (e.g. 0,10,50,100,250)",
+    )
+    parser.add_argument("--routers", type=int, default=2, help="with --stale-ms")
     parser.add_argument("--min-rate", type=float, default=0.25)
     parser.add_argument("--max-rate", type=float, default=48.0)
     parser.add_argument("--out", type=Path, help="default: router/policies/<deployment>.npz")

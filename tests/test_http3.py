@@ -32,7 +32,9 @@ async def test_chat_streams_over_http3_as_over_http1(server: Server) -> None:
         result = await chat_h3(client, chat_body(HELLO, "tiny-m", 12, **GREEDY))
     assert result.error is None and result.status == 200
     assert result.model == "tiny-m" and result.replica == "cpu/tiny-m"
-    assert result.ttft_s is not None and len(result.itl_s) >= 5  # token by token, not one body
+    # Streamed, not one body. Not one chunk per token: vLLM merges the deltas of steps its
+    # consumer has not yet taken (CI, loaded, once carried 12 tokens in 5 chunks).
+    assert result.ttft_s is not None and len(result.itl_s) >= 2
     assert result.usage is not None and result.usage["completion_tokens"] == 12
     http1 = httpx.post(
         server.url + "/v1/chat/completions",

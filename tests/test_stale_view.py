@@ -9,6 +9,7 @@ from router.evaluate import mean_reward, simulate
 from router.policies import make_policy
 from router.sim import Simulator
 from router.stale import StaleSimulator
+from router.train import _validation_simulators, build_parser, make_env
 from serving.launch import ROOT
 from workloads import Message, Request
 from workloads.arrivals import Poisson
@@ -49,3 +50,22 @@ def test_with_no_staleness_the_routers_route_as_one() -> None:
         (f.request.request_id, f.replica) for f in three
     ]
     assert mean_reward(DEPLOYMENT, one) == mean_reward(DEPLOYMENT, three)
+
+
+def test_training_on_stale_views_draws_each_episodes_staleness() -> None:
+    args = build_parser().parse_args(["--stale-ms", "10,250", "--routers", "3", "--seed", "1"])
+    env = make_env(DEPLOYMENT, args)
+    seen = set()
+    for _ in range(16):
+        env.reset()
+        assert isinstance(env.sim, StaleSimulator) and env.sim.routers == 3
+        seen.add(env.sim.interval_s)
+    assert seen == {0.01, 0.25}
+    # Validation sees the same stale simulators every time it runs, so checkpoints compare.
+    validations = _validation_simulators(DEPLOYMENT, args)
+    assert validations is not None
+    first, again = validations(), validations()
+    for _ in range(4):
+        a, b = first(), again()
+        assert isinstance(a, StaleSimulator) and isinstance(b, StaleSimulator)
+        assert (a.interval_s, a._due) == (b.interval_s, b._due)
