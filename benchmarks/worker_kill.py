@@ -11,7 +11,8 @@ targets:
 - the time from the kill until the supervisor's restarted worker runs (target: under 5 s);
 - the engine host's pid before and after (untouched);
 - what the client sent against what the server logged: every request either in the request
-  log, or lost with the killed worker (a client-side failure with no log line).
+  log, or lost with the killed worker (a client-side failure with no log line); and against
+  what /metrics counted, where those lost are `worker_died`.
 
     python -m benchmarks.worker_kill                      # 48 req/s, 60 s, kill at 20 s
 """
@@ -30,6 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from experiments.live import requests_total
 from serving.launch import ROOT, free_port, launch
 
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.02)
         client.wait()
         host_after = engine_host(server.pid)
+        counted = dict(requests_total(f"http://127.0.0.1:{port}"))
     replay = json.loads((args.out / "replay.json").read_text())
     lines = map(json.loads, requests_log.read_text().splitlines())
     logged = {line["request_id"]: line for line in lines}
@@ -148,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "failed_where": dict(failed_where),
         "server_logged": len(logged),
         "server_ok": server_ok,
+        # /metrics, whichever worker answered: every outcome counted, worker_died included.
+        "metrics_outcomes": counted,
+        "metrics_total": sum(counted.values()),
         "restart_s": restart_s,
         "engine_host_before": host_before,
         "engine_host_after": host_after,

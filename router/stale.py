@@ -1,11 +1,14 @@
 """Several routers over one fleet, in the simulator: what each sees when it knows its own
 requests exactly and the others' only from a snapshot refreshed every `interval_s`.
 
-That is the view of `python -m serving --workers N`: a worker counts its own requests exactly
-and hears the others' from the engines (the engine link reports every 10 ms; a `vllm serve`'s
-/metrics is read every 100 ms). Each arriving request is taken by one router drawn at random,
-as the kernel spreads connections over the workers. Every router refreshes at the same
-interval, each at its own phase.
+That is the view of front-end workers that share no memory (on several hosts: see
+docs/multi-host.md): a worker counts its own requests exactly and hears the others' from the
+engines (a `vllm serve`'s /metrics is read every 100 ms). The workers of one host
+(`python -m serving --workers N`) share exact counts instead (`serving.shared_view`).
+
+Each arriving request is taken by one router drawn at random, as the kernel spreads
+connections over the workers. Every router refreshes at the same interval, each at its own
+phase.
 """
 
 from __future__ import annotations

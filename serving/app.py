@@ -45,7 +45,7 @@ def build_app(
         replicas.share(shared_view.rows, index)
         rate = SharedArrivalRate(shared_view.rows, index)
         accounts = shared_view.keys.for_worker(index)
-    metrics = Metrics(replicas, worker, shared_view.metrics if shared_view is not None else None)
+    metrics = Metrics(replicas, worker, shared_view)
     if shared_view is not None:
         peers = Peers(shared_view, index, metrics.recent.export)
     policy_ = make_policy(deployment, policy)

@@ -168,6 +168,7 @@ class Gateway:
         if record is None:
             record = RequestRecord(request.request_id, request.qos_class, request.arrival)
         record.received = self.clock()
+        self.metrics.opened(record)
         # The rate at the request's arrival, which is what the simulator's arrivals see too.
         rate = self.rate.observe(request.arrival)
         self.metrics.arrival_rate.set(rate)

@@ -13,9 +13,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,10 +31,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from serving.outcomes import CANCELLED, CLIENTS_OWN, OK, SHED, STOPPED, RequestRecord
+from serving.outcomes import (
+    CANCELLED,
+    CLIENTS_OWN,
+    OK,
+    SHED,
+    STOPPED,
+    WORKER_DIED,
+    RequestRecord,
+)
 from serving.recent import Recent
 from serving.replicas import ReplicaSet
 from transport.process_tree import tree_use
+
+if TYPE_CHECKING:
+    from serving.shared_view import SharedView
 
 # The *_created series double the exposition and nobody here reads them.
 disable_created_metrics()
@@ -43,18 +55,27 @@ _QUEUE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0, 
 _ROUTE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 1e-3)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0)
 
+REQUESTS = (
+    "serving_requests",
+    "Requests by QoS class, model and outcome.",
+    ["qos_class", "model", "outcome"],
+)
+
 request_log = logging.getLogger("serving.requests")
 """One JSON line per request; `python -m serving --request-log` says where it goes."""
 
 
 class Metrics:
     def __init__(
-        self, replicas: ReplicaSet, worker: int | None = None, shared: Path | None = None
+        self, replicas: ReplicaSet, worker: int | None = None, shared: SharedView | None = None
     ) -> None:
-        """`shared`: with several workers, prometheus_client's multiprocess folder, which
-        PROMETHEUS_MULTIPROC_DIR names (the supervisor sets it before this process started, as
-        the library must know it before its first metric)."""
+        """`shared`: with several workers, what they share: its prometheus_client multiprocess
+        folder, which PROMETHEUS_MULTIPROC_DIR names (the supervisor sets it before this
+        process started, as the library must know it before its first metric), and this
+        worker's row, where it counts the requests it holds open."""
         self.worker = worker
+        self._open: Callable[[int, int], None] | None = None
+        self._classes: dict[str, int] = {}
         """This process's index among `--workers` (None: the only one), for the request log."""
         own = CollectorRegistry()
         """Where the metrics below live. Alone, the one /metrics reads. With several workers,
@@ -63,15 +84,13 @@ class Metrics:
         worker answers, and still counting what a worker served before it died."""
         self.registry = own
         if shared is not None:
-            assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == str(shared), shared
+            folder = str(shared.metrics)
+            assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == folder, folder
             self.registry = CollectorRegistry()
-            MultiProcessCollector(self.registry, path=str(shared))
-        self.requests = Counter(
-            "serving_requests",
-            "Requests by QoS class, model and outcome.",
-            ["qos_class", "model", "outcome"],
-            registry=own,
-        )
+            MultiProcessCollector(self.registry, path=folder)
+            self._open = partial(shared.rows.add_open, worker or 0)
+            self._classes = {name: i for i, name in enumerate(shared.classes)}
+        self.requests = Counter(*REQUESTS, registry=own)
         self.limited = Counter(
             "serving_limited",
             "Requests refused with 429 because their API key was over a limit, by the key's "
@@ -175,6 +194,17 @@ class Metrics:
         see its client leave and close it, and it counts as stopped."""
         self._cut.add(request_id)
 
+    def opened(self, record: RequestRecord) -> None:
+        """The gateway takes the request up. Until `finish`, it counts in this worker's shared
+        row, from which the supervisor counts it as ended with the worker if the worker dies
+        (`count_lost`): so that, even then, every request is counted once."""
+        if (
+            self._open is not None
+            and (cell := self._classes.get(record.qos_class or "")) is not None
+        ):
+            record.open_as = cell
+            self._open(cell, 1)
+
     def rejected(self, outcome: str, record: RequestRecord) -> None:
         """Count a request refused before the gateway saw it (bad input, a refused key)."""
         self.finish(record, outcome, slo_met=False)
@@ -183,6 +213,9 @@ class Metrics:
         """Count how one request ended, and log it: exactly once per request."""
         if outcome == CANCELLED and record.request_id in self._cut:
             outcome = STOPPED
+        if record.open_as is not None and self._open is not None:
+            self._open(record.open_as, -1)
+            record.open_as = None
         self.recent.finished(record, outcome, slo_met)
         cls, model = record.qos_class or "none", record.model or "none"
         self.requests.labels(cls, model, outcome).inc()
@@ -214,6 +247,26 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def count_lost(folder: Path, pid: int, lost: dict[str, int]) -> None:
+    """Count in /metrics, as ended with outcome worker_died, the requests of each class that
+    worker `pid` held open when it died: in its own multiprocess file, which the merge reads
+    as it reads the counts the worker made itself. (prometheus_client has no call to count for
+    another process; its file format is what its collector reads.)"""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    name, documentation, labels = REQUESTS
+    counts = MmapedDict(str(folder / f"counter_{pid}.db"))
+    try:
+        for qos_class, requests in lost.items():
+            if requests:
+                key = mmap_key(name, f"{name}_total", labels,
+                               [qos_class, "none", WORKER_DIED], documentation)  # fmt: skip
+                value, _ = counts.read_value(key)
+                counts.write_value(key, value + requests, 0.0)
+    finally:
+        counts.close()
 
 
 class _TreeCollector(Collector):

@@ -19,6 +19,7 @@ LIMITED = "limited"  # 429: its API key was over its rate or concurrency limit
 SHED = "shed"  # 429: no replica could have given its first token in time (admission control)
 DRAINING = "draining"  # 503 (HTTP/3: rejected after GOAWAY): it came while the server was stopping
 STOPPED = "stopped"  # still running when the server's drain time ran out, and cut
+WORKER_DIED = "worker_died"  # its worker died first (counted by the supervisor: `Metrics.lost`)
 CLIENTS_OWN = frozenset({INVALID, REFUSED, LIMITED, CANCELLED})
 """Outcomes of the client's own making, which say nothing of the server: the dashboard's SLO
 attainment counts them neither for nor against it."""
@@ -50,6 +51,9 @@ class RequestRecord:
     """The client's path as the router saw it (`transport.qos.path_of`): its smoothed RTT..."""
     client_loss: float | None = None
     """...and the share of packets lost to it so far."""
+    open_as: int | None = None
+    """While the gateway holds it, its class's cell in this worker's shared row
+    (`Metrics.opened`)."""
 
     @property
     def tpot_s(self) -> float | None:

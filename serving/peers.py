@@ -44,6 +44,8 @@ class Peers:
         try:
             writer.write(json.dumps(self.answer(), separators=(",", ":")).encode())
             await writer.drain()
+        except ConnectionError:
+            pass  # the asker gave up (its timeout): nothing to answer
         finally:
             writer.close()
 

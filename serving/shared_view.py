@@ -28,9 +28,11 @@ from serving.key_limits import SharedAccounts, key_slots
 _ROW_HEAD = 3
 """A row starts with its sequence count, the level, and the time the level was set
 (`time.monotonic()`, one clock for every process of the host); then each replica's running,
-waiting and owed (`serving.replicas.Replica`). 8 bytes each, read and written one 8-byte item
-at a time through typed views of the block: `struct.pack_into` would not do, since it zeroes
-the whole field before it writes it, and a reader could take the zeroed count for an even one."""
+waiting and owed (`serving.replicas.Replica`); then, per QoS class, the requests the worker's
+gateway holds open (`serving.metrics.Metrics.opened`). 8 bytes each, read and written one
+8-byte item at a time through typed views of the block: `struct.pack_into` would not do, since
+it zeroes the whole field before it writes it, and a reader could take the zeroed count for an
+even one."""
 _PER_REPLICA = 3
 
 _READ_TRIES = 10_000
@@ -51,18 +53,20 @@ class WorkerRows:
     read one at a time: a reader may see a request in one worker's running and not yet in its
     owed, which is off by one request for a moment, never torn."""
 
-    def __init__(self, block: mmap.mmap, workers: int, replicas: int) -> None:
+    def __init__(self, block: mmap.mmap, workers: int, replicas: int, classes: int) -> None:
         self.block = block
         self.workers = workers
         self.replicas = replicas
-        self.width = _ROW_HEAD + _PER_REPLICA * replicas
+        self.classes = classes
+        self.width = _ROW_HEAD + _PER_REPLICA * replicas + classes
+        self._open = _ROW_HEAD + _PER_REPLICA * replicas
         assert len(block) >= 8 * self.width * workers
         self._counts = memoryview(block).cast("q")
         self._values = memoryview(block).cast("d")
 
     @staticmethod
-    def size(workers: int, replicas: int) -> int:
-        return 8 * (_ROW_HEAD + _PER_REPLICA * replicas) * workers
+    def size(workers: int, replicas: int, classes: int) -> int:
+        return 8 * (_ROW_HEAD + _PER_REPLICA * replicas + classes) * workers
 
     def write(self, index: int, level: float, at: float) -> None:
         row = index * self.width
@@ -105,10 +109,21 @@ class WorkerRows:
                 owed += self._counts[at + 2]
         return running, waiting, owed
 
+    def add_open(self, index: int, qos_class: int, change: int) -> None:
+        self._counts[index * self.width + self._open + qos_class] += change
+
+    def open(self, index: int) -> list[int]:
+        """Worker `index`'s open requests, by class."""
+        at = index * self.width + self._open
+        return list(self._counts[at : at + self.classes])
+
     def clear(self, index: int) -> None:
         self.write(index, 0.0, 0.0)
         for replica in range(self.replicas):
             self.publish(index, replica, 0, 0, 0)
+        at = index * self.width + self._open
+        for qos_class in range(self.classes):
+            self._counts[at + qos_class] = 0
 
     def close(self) -> None:
         self._counts.release()
@@ -122,10 +137,10 @@ class SharedView:
         same deployment, so each lays the rows and the keys' accounts out the same way)."""
         self.folder = folder
         self.workers = workers
+        self.classes = list(deployment.qos_classes)
         create = not (folder / "rows").exists()
-        replicas = len(deployment.replicas)
-        block = _mapped(folder / "rows", WorkerRows.size(workers, replicas), create)
-        self.rows = WorkerRows(block, workers, replicas)
+        shape = (workers, len(deployment.replicas), len(self.classes))
+        self.rows = WorkerRows(_mapped(folder / "rows", WorkerRows.size(*shape), create), *shape)
         self.keys = SharedAccounts(folder / "keys", key_slots(deployment), workers, create)
 
     @classmethod
@@ -153,9 +168,14 @@ class SharedView:
         """Forget what worker `index` (process `pid`), now dead, held: its arrivals leave the
         estimate (as they would have within the horizon anyway), its requests leave the
         replicas' counts and its keys' in-flight counts, its live gauges leave /metrics. Its
-        counters stay: what it served was served."""
+        counters stay: what it served was served. The requests it held open are counted as
+        ended with it (`serving.metrics.count_lost`)."""
         from prometheus_client import multiprocess
 
+        from serving.metrics import count_lost
+
+        lost = dict(zip(self.classes, self.rows.open(index), strict=True))
+        count_lost(self.metrics, pid, lost)
         self.rows.clear(index)
         self.keys.clear(index)
         multiprocess.mark_process_dead(pid, str(self.metrics))

@@ -407,3 +407,53 @@ def test_a_keys_limits_hold_over_every_worker(twin_workers: Server) -> None:
     assert {line["worker"] for line in refused} == {0, 1}
     # Released at its end: the key is served again.
     wait_until(lambda: keyed(twin_workers, SINGLE_KEY).status_code == 200, 15, "the release")
+
+
+def test_requests_a_dead_worker_held_are_counted_as_ended_with_it(twin_workers: Server) -> None:
+    def outcomes() -> dict[str, float]:
+        text = httpx.get(twin_workers.url + "/metrics", timeout=10).text
+        counts: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("serving_requests_total{"):
+                outcome = re.search(r'outcome="([^"]+)"', line)
+                assert outcome is not None
+                counts[outcome[1]] = counts.get(outcome[1], 0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
+    before = outcomes()
+    streams = 16  # on connections of their own: all on one worker with odds of 2 in 2^16
+    begun = threading.Barrier(streams + 1, timeout=30)
+    done = threading.Event()
+    broken: list[bool] = []
+
+    def hold() -> None:
+        body = {"messages": HI, "max_tokens": 1_500, "stream": True, "ignore_eos": True}
+        with httpx.stream(
+            "POST", twin_workers.url + "/v1/chat/completions", json=body, timeout=60
+        ) as answer:
+            lines = answer.iter_lines()  # held: a dropped iterator closes the response
+            next(line for line in lines if line.startswith("data:"))
+            begun.wait()
+            try:
+                for _ in lines:  # the killed worker's streams break; the others run on
+                    if done.is_set():
+                        break
+            except httpx.HTTPError:
+                broken.append(True)
+
+    threads = [threading.Thread(target=hold) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    begun.wait()
+    pid = worker_pids(twin_workers)[1]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: worker_pids(twin_workers)[1] != pid, 15, "the worker's restart")
+    done.set()
+    for thread in threads:
+        thread.join(60)
+    wait_until(lambda: sum(outcomes().values()) - sum(before.values()) == streams, 15,
+               "every stream counted")  # fmt: skip
+    after = outcomes()
+    died = after.get("worker_died", 0) - before.get("worker_died", 0)
+    # Each stream the kill broke at its client is counted once, as ended with its worker.
+    assert 0 < died == len(broken) < streams
