@@ -145,7 +145,9 @@ function renderFeed(snapshot) {
 }
 
 function render(snapshot) {
-  $("deployment").textContent = snapshot.deployment;
+  // With --workers, the snapshot merges every worker that answered in time.
+  $("deployment").textContent =
+    snapshot.workers > 1 ? `${snapshot.deployment} · ${snapshot.workers} workers` : snapshot.deployment;
   renderRate(snapshot.rate);
   renderFeed(snapshot);
   renderReplicas(snapshot.replicas);
