@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from serving.launch import ROOT, free_port, launch, serving_command
+from experiments.live import cpu_seconds
+from serving.launch import ROOT, free_port, launch, serving_command, shipped_spec
 from transport.process_tree import tree
 
 PATHS = ("in-process", "engine host", "vllm serve")
@@ -52,10 +53,7 @@ def vllm_env() -> dict[str, str]:
 def config(folder: Path, upstream_port: int) -> Path:
     """models.yaml with two deployments of one tiny-s engine: its own (`bench_hosted`) and the
     `vllm serve` on `upstream_port` (`bench_remote`)."""
-    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
-    for model in spec["models"].values():
-        if model["source"].startswith("."):
-            model["source"] = str(ROOT / model["source"])
+    spec = shipped_spec()
     spec["placements"]["bench_hosted"] = [
         {"model": "tiny-s", "device": "cpu", "kv_cache_gib": 0.25}
     ]
@@ -72,15 +70,6 @@ def config(folder: Path, upstream_port: int) -> Path:
     path = folder / "models.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU of one process, not its children."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def roles(front: int, upstream: int | None) -> dict[int, str]:
@@ -129,11 +118,11 @@ async def load(url: str, streams: int, tokens: int, seconds: float) -> int:
 def measure(url: str, front: int, upstream: int | None, args: argparse.Namespace) -> dict:
     asyncio.run(load(url, args.streams, args.tokens, 3.0))  # warm
     parts = roles(front, upstream)
-    before = {pid: cpu_s(pid) for pid in parts}
+    before = {pid: cpu_seconds(pid) for pid in parts}
     received = asyncio.run(load(url, args.streams, args.tokens, args.seconds))
     spent: dict[str, float] = {}
     for pid, role in parts.items():
-        spent[role] = spent.get(role, 0.0) + cpu_s(pid) - before[pid]
+        spent[role] = spent.get(role, 0.0) + cpu_seconds(pid) - before[pid]
     per_token = {role: 1e6 * s / received for role, s in spent.items()}
     return {"tokens": received, "tokens_per_s": received / args.seconds} | per_token
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from experiments.live import VLLM_BENCH
-from serving.launch import ROOT, Launched, free_port, launch
+from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
 from transport.process_tree import tree_cpu_seconds
 
 MODEL = "null"
@@ -55,10 +55,7 @@ DEFAULT_GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
 def remote_config(folder: Path, urls: list[str]) -> Path:
     """The shipped models.yaml plus a `bench-upstreams` deployment: the upstreams as replicas of
     one model (opt-125m, served as `null`), its other settings as the `remote` deployment's."""
-    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
-    for model in spec["models"].values():
-        if model["source"].startswith("."):
-            model["source"] = str(ROOT / model["source"])
+    spec = shipped_spec()
     spec["placements"]["bench-upstreams"] = [
         {"model": "opt-125m", "url": url + "/v1", "served_name": MODEL} for url in urls
     ]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from config import DEFAULT_PATH, load_deployment
+from config import DEFAULT_PATH, Deployment, load_deployment
 from experiments import live
 from experiments.output import write_csv
 from experiments.stable import row
@@ -35,7 +35,9 @@ from workloads.replay import Outcome
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def one_run(args: argparse.Namespace, workers: int, rate: float, seed: int) -> dict[str, object]:
+def one_run(
+    args: argparse.Namespace, deployment: Deployment, workers: int, rate: float, seed: int
+) -> dict[str, object]:
     flags = ["--arrivals", "poisson", "--rate", f"{rate:g}", "--duration", f"{args.duration:g}",
              "--seed", str(seed)]  # fmt: skip
     out = args.out / f"w{workers}-{rate:g}-{seed}.json"
@@ -44,7 +46,6 @@ def one_run(args: argparse.Namespace, workers: int, rate: float, seed: int) -> d
         server_flags=["--workers", str(workers)],
     )  # fmt: skip
     done = [Outcome(**o) for o in record["requests"]]
-    deployment = load_deployment(args.config, args.deployment)
     return {"workers": workers} | row("dqn", rate, seed, done, deployment) | live.live_row(record)
 
 
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     # Worker counts alternate run by run, so that the VM's drift falls on both alike.
     runs = [(r, s, w) for r in rates for s in range(args.seeds) for w in (1, 2)]
     runs += [(r, 0, w) for r in slo_rates if r not in rates for w in (1, 2)]
-    rows = [one_run(args, w, r, s) for r, s, w in tqdm(runs, unit="run", desc="live")]
+    deployment = load_deployment(args.config, args.deployment)
+    rows = [one_run(args, deployment, w, r, s)
+            for r, s, w in tqdm(runs, unit="run", desc="live")]  # fmt: skip
     write_csv(args.out / "workers_live.csv", rows)
 
     def of(workers: int, rate: float) -> list[dict[str, object]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository: where servers run, so that models.yaml's relative paths resolve."""
@@ -35,6 +36,16 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shipped_spec() -> dict:
+    """The shipped models.yaml as data, its local model sources made absolute: for a config
+    written elsewhere (a benchmark's, a test's) that must still find the models."""
+    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
+    for model in spec["models"].values():
+        if model["source"].startswith("."):
+            model["source"] = str(ROOT / model["source"])
+    return spec
 
 
 def serving_command(deployment: str | None, port: int, *extra: str) -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from aioquic.quic.configuration import QuicConfiguration
 
-from serving.launch import Launched, NotReady, free_port
+from serving.launch import Launched, NotReady, free_port, shipped_spec
 from serving.launch import launch as start_server
 from serving.launch import serving_command as serving_args
 from serving.replicas import PROBE_BACKOFF
@@ -227,10 +227,7 @@ def test_config(tmp_dir: Path, **extra_deployments: tuple[list[dict], dict]) -> 
     one's idle worker and EngineCore busy-poll for a second after every step (vLLM's
     shm_broadcast), which has delayed a first token by two seconds (the free tier's deadline).
     """
-    spec = yaml.safe_load((ROOT / "models.yaml").read_text())
-    for model in spec["models"].values():
-        if model["source"].startswith("."):
-            model["source"] = str(ROOT / model["source"])
+    spec = shipped_spec()
     for deployment in spec["deployments"].values():
         path = deployment.get("policy", {}).get("path")
         if path and not Path(path).is_absolute():

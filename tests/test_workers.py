@@ -88,18 +88,23 @@ async def h3_worker(server: Server, client: Http3Client) -> int:
     return int(line["worker"])
 
 
+def workers_serving(server: Server) -> set[int]:
+    """The workers that answered over new connections, until both have (at most TRIES)."""
+    served: set[int] = set()
+    for _ in range(TRIES):
+        served.add(http1_worker(server))
+        if served == {0, 1}:
+            break
+    return served
+
+
 def h3_client(server: Server) -> Http3Client:
     assert server.h3_port is not None
     return Http3Client("localhost", server.h3_port, verify=str(CERT))
 
 
 def test_two_workers_serve_one_port_over_both_protocols(workers: Server) -> None:
-    seen: set[int] = set()
-    for _ in range(TRIES):
-        seen.add(http1_worker(workers))
-        if seen == {0, 1}:
-            break
-    assert seen == {0, 1}
+    assert workers_serving(workers) == {0, 1}
 
     async def on_new_connections() -> set[int]:
         seen: set[int] = set()
@@ -296,12 +301,7 @@ def test_a_killed_worker_leaves_the_engines_untouched(twin_workers: Server) -> N
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: worker_pids(twin_workers)[0] != pid, 15, "the worker's restart")
     assert engine_host_pid(twin_workers) == host
-    served = set()
-    for _ in range(TRIES):
-        served.add(http1_worker(twin_workers))
-        if served == {0, 1}:
-            break
-    assert served == {0, 1}
+    assert workers_serving(twin_workers) == {0, 1}
 
 
 def test_a_killed_engine_host_is_started_again_and_the_workers_reconnect(
@@ -319,12 +319,7 @@ def test_a_killed_engine_host_is_started_again_and_the_workers_reconnect(
         30,
         "both workers to find their replicas again",
     )
-    served = set()
-    for _ in range(TRIES):
-        served.add(http1_worker(twin_workers))
-        if served == {0, 1}:
-            break
-    assert served == {0, 1}
+    assert workers_serving(twin_workers) == {0, 1}
 
 
 def test_metrics_and_the_dashboard_cover_every_worker(twin_workers: Server) -> None:
