@@ -145,9 +145,15 @@ class SharedView:
 
     @classmethod
     def create(cls, deployment: Deployment, workers: int) -> SharedView:
-        """A new view, all clear, for the supervisor: a private folder (mkdtemp's 0700)."""
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        """A new view, all clear, for the supervisor: a private folder (mkdtemp's 0700). The
+        folders of supervisors that died without removing theirs (SIGKILL) are removed first:
+        on tmpfs they would hold memory until the host restarts."""
+        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+        for old in base.glob("serving-*"):
+            if not _alive(old / "owner"):
+                shutil.rmtree(old, ignore_errors=True)
         folder = Path(tempfile.mkdtemp(prefix="serving-", dir=base))
+        (folder / "owner").write_text(str(os.getpid()))
         (folder / "metrics").mkdir()
         (folder / "workers").write_text(str(workers))
         return cls(folder, workers, deployment)
@@ -186,6 +192,27 @@ class SharedView:
         self.keys.close()
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _alive(owner: Path) -> bool:
+    """Whether the supervisor that `owner` names still runs. A folder with no owner is one
+    that is being made (it is written first), or one left before owners were written: the
+    latter, once the folder's layout is there."""
+    try:
+        pid = int(owner.read_text())
+    except FileNotFoundError:
+        return not (owner.parent / "workers").exists()
+    except ValueError:
+        return True  # being written at this moment
+    except OSError:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: alive, and not ours to remove
+    return True
 
 
 class SharedArrivalRate(ArrivalRateEstimator):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,3 +169,18 @@ def test_workers_racing_for_one_slot_never_both_hold_it(
     assert all(h > 0 for h in held), held  # both took the slot, in turns
     assert both == [0, 0]
     assert view.keys.in_flight(SINGLE_KEY) == 0
+
+
+def test_a_dead_supervisors_folder_is_removed_by_the_next(deployment: Deployment) -> None:
+    dead = SharedView.create(deployment, 2)
+    live = SharedView.create(deployment, 2)
+    child = subprocess.Popen(["true"])
+    child.wait()
+    (dead.folder / "owner").write_text(str(child.pid))  # its supervisor was SIGKILLed
+    after = SharedView.create(deployment, 2)
+    try:
+        assert not dead.folder.exists()
+        assert live.folder.exists()  # this process still runs
+    finally:
+        for view in (dead, live, after):
+            view.close(remove=True)
