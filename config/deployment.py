@@ -17,11 +17,13 @@ from config.schema import (
     Faults,
     Limits,
     ModelsFile,
+    ModelSpec,
     PathMix,
     PolicySpec,
     Profile,
     ProfileModel,
     QosClass,
+    ReplicaEntry,
     SimulationSpec,
     Slo,
     Tier,
@@ -62,11 +64,20 @@ class ReplicaConfig:
     build: TinyBuild | None
     scrape_s: float = 0.0
     """How often a remote replica's /metrics is read; 0: never."""
+    kv_tokens: int | None = None
+    """Tokens its KV cache holds, whole blocks (`kv_capacity`); None where nothing sizes it."""
+    block_size: int = 16
+    """Tokens per KV block: engine_args' block_size, else vLLM's default for the device."""
 
     def engine_int(self, name: str, default: int) -> int:
         """An integer vLLM argument (max_model_len, max_num_seqs) of `engine_args`, else
         `default`."""
         return _engine_int(name, self.engine_args.get(name, default))
+
+    def engine_args_int(self, name: str) -> int | None:
+        """An integer vLLM argument of `engine_args`, None where it is not set."""
+        value = self.engine_args.get(name)
+        return None if value is None else _engine_int(name, value)
 
 
 @dataclass(frozen=True)
@@ -149,9 +160,13 @@ class Deployment:
     @property
     def max_batch(self) -> int | None:
         """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
-        caps = {r.engine_args.get("max_num_seqs") for r in self.replicas}
-        cap = caps.pop() if len(caps) == 1 else None
-        return _engine_int("max_num_seqs", cap) if cap is not None else None
+        return self.engine_arg("max_num_seqs")
+
+    def engine_arg(self, name: str) -> int | None:
+        """An integer vLLM argument where every replica has the same one."""
+        values = {r.engine_args.get(name) for r in self.replicas}
+        value = values.pop() if len(values) == 1 else None
+        return _engine_int(name, value) if value is not None else None
 
     @property
     def tasks(self) -> list[str]:
@@ -205,7 +220,8 @@ def resolve(
     if name not in spec.deployments:
         raise ConfigError(f"unknown deployment {name!r} (known: {', '.join(spec.deployments)})")
     dep = spec.deployments[name]
-    replicas = _replicas(spec, dep.placement, dep.engine_args, Path(base_dir))
+    profile = spec.profiles[dep.profile] if dep.profile is not None else None
+    replicas = _replicas(spec, dep.placement, dep.engine_args, Path(base_dir), profile)
     models = list(dict.fromkeys(r.model for r in replicas))
     simulation = _simulation(spec, name, replicas, Path(base_dir))
     quality, quality_source = _quality(spec, models, dep.quality_file, Path(base_dir))
@@ -334,7 +350,11 @@ def _engine_int(name: str, value: object) -> int:
 
 
 def _replicas(
-    spec: ModelsFile, placement: str, engine_args: dict[str, object], base_dir: Path
+    spec: ModelsFile,
+    placement: str,
+    engine_args: dict[str, object],
+    base_dir: Path,
+    profile: Profile | None = None,
 ) -> list[ReplicaConfig]:
     replicas: list[ReplicaConfig] = []
     for entry in spec.placements[placement]:
@@ -344,6 +364,10 @@ def _replicas(
         locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
         for device, url in locations:
             where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]
+            args = {**engine_args, **entry.engine_args}
+            block_size = _engine_int(
+                "block_size", args.get("block_size", CPU_BLOCK_SIZE if device == "cpu" else 16)
+            )
             replicas.append(
                 ReplicaConfig(
                     name=f"{where}/{entry.model}",
@@ -355,17 +379,58 @@ def _replicas(
                     memory_fraction=entry.memory_fraction,
                     kv_cache_gib=entry.kv_cache_gib,
                     cpu_cores=entry.cpu_cores,
-                    engine_args={**engine_args, **entry.engine_args},
+                    engine_args=args,
                     chat_template=model.chat_template,
                     fallback_chat_template=spec.chat_template,
                     build=model.build,
                     scrape_s=_scrape_s(entry.scrape_s, url),
+                    kv_tokens=kv_capacity(
+                        f"placements.{placement}: {entry.model}", model, entry, profile, block_size
+                    ),
+                    block_size=block_size,
                 )
             )
     names = [r.name for r in replicas]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"placements.{placement}: replicas repeat: {', '.join(dupes)}")
     return replicas
+
+
+CPU_BLOCK_SIZE = 128
+"""vLLM's default KV block on CPU (vllm/platforms/cpu.py); 16 on GPUs."""
+
+GIB = 2**30
+
+
+def kv_capacity(
+    where: str,
+    model: ModelSpec,
+    entry: ReplicaEntry,
+    profile: Profile | None,
+    block_size: int,
+) -> int | None:
+    """Tokens a replica's KV cache holds, in whole blocks, as vLLM sizes it: on CPU the
+    placement's kv_cache_gib exactly; on a GPU the placement's share of the device's memory
+    (the profile's device_memory_gib) less the model's weights and the profile's reserve. Each
+    token takes 2 (keys and values) x layers x KV heads x head size x bytes of the model's
+    shape. None where something is missing: the simulator then keeps no cache for it."""
+    shape = model.model_shape()
+    if shape is None:
+        return None
+    if entry.kv_cache_gib is not None:
+        room = entry.kv_cache_gib * GIB
+    elif entry.memory_fraction is not None and profile and profile.device_memory_gib:
+        share = entry.memory_fraction * profile.device_memory_gib * GIB
+        room = share - shape.weights_bytes - profile.reserved_gib * GIB
+        if room <= 0:
+            raise ConfigError(
+                f"{where}: its {share / GIB:.2f} GiB share of the device holds no KV cache "
+                f"beside {shape.weights_bytes / GIB:.2f} GiB of weights and the profile's "
+                f"{profile.reserved_gib:g} GiB reserve"
+            )
+    else:
+        return None
+    return int(room // shape.kv_bytes_per_token) // block_size * block_size
 
 
 def _source(source: str, build: TinyBuild | None, base_dir: Path) -> str:

@@ -48,6 +48,30 @@ class TinyBuild(Strict):
         return self
 
 
+class ModelShape(Strict):
+    """A model's public dimensions, as far as they size its weights and its KV cache."""
+
+    params_b: PositiveFloat
+    """Parameters, in billions."""
+    layers: Annotated[int, Field(gt=0)]
+    kv_heads: Annotated[int, Field(gt=0)]
+    """Key-value heads per layer (as many as the attention heads, without grouped queries)."""
+    head_dim: Annotated[int, Field(gt=0)]
+    weight_bytes: PositiveFloat = 2.0
+    """Bytes per parameter: 2 for fp16 or bf16, 1 for fp8."""
+    kv_bytes: PositiveFloat = 2.0
+    """Bytes per cached key or value element (1 with vLLM's --kv-cache-dtype fp8)."""
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """One token's keys and values over every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes
+
+    @property
+    def weights_bytes(self) -> float:
+        return self.params_b * 1e9 * self.weight_bytes
+
+
 class ModelSpec(Strict):
     source: str
     """A Hugging Face id, or a local directory (relative paths are relative to models.yaml)."""
@@ -57,6 +81,25 @@ class ModelSpec(Strict):
     """If set, the model is built at `source` on first use instead of downloaded."""
     chat_template: str | None = None
     """Overrides the tokenizer's chat template and the file-wide fallback."""
+    shape: ModelShape | None = None
+    """Sizes its KV cache where a placement gives a share of a device's memory; a tiny model's
+    comes from its build."""
+
+    def model_shape(self) -> ModelShape | None:
+        """Its shape, given or, for a tiny model, from its build."""
+        if self.shape is not None or self.build is None:
+            return self.shape
+        b = self.build
+        vocab = 50272  # OPT's embedding rows, which the tiny builds keep
+        params = 12 * b.num_layers * b.hidden_size**2 + (vocab + b.max_positions) * b.hidden_size
+        return ModelShape(
+            params_b=params / 1e9,
+            layers=b.num_layers,
+            kv_heads=b.num_heads,
+            head_dim=b.hidden_size // b.num_heads,
+            weight_bytes=4.0,  # built in float32, as the CPU engine runs them
+            kv_bytes=4.0,
+        )
 
 
 class Quality(Strict):
@@ -121,6 +164,13 @@ class Profile(Strict):
     interference: Annotated[float, Field(ge=0)] = 0.0
     """Slowdown per busy replica on the same device: an iteration takes (1 + interference x k)
     times as long while k neighbours are busy."""
+    device_memory_gib: PositiveFloat | None = None
+    """Memory of one device, as vLLM sees it. With a placement's memory_fraction and a model's
+    shape it sizes each replica's KV cache; without it, the simulator's replicas keep no cache
+    and never run out of room (as before prefix caching was modelled)."""
+    reserved_gib: Annotated[float, Field(ge=0)] = 1.0
+    """Memory an engine's share holds beside weights and KV cache: activations at its largest
+    batch of tokens, CUDA graphs, the CUDA context. Assumed, not measured."""
     models: dict[str, ProfileModel]
 
 

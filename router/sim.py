@@ -20,8 +20,10 @@ iteration (the gateway aborts it, so its token never counts).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ import numpy as np
 
 from config import Deployment, Slo
 from config.schema import ProfileModel
+from router.kv_cache import Hold, KvCache
 from router.paths import NetworkTime
 from router.view import ClusterView, ReplicaState
 from workloads import Request
@@ -88,6 +91,13 @@ class Job:
     """Output tokens it will get at most: its max_tokens, at least 1."""
     remaining: int
     first_token: float | None = None
+    prefill: int = 0
+    """Prompt tokens still to compute before its first token (with a KV cache: a request
+    admitted in chunks, or preempted, waits on them)."""
+    hold: Hold | None = None
+    """Its KV blocks, while it holds any."""
+    cached_tokens: int = 0
+    """Prompt tokens it found cached when last admitted."""
 
 
 def step_time(profile: ProfileModel, batch: int) -> float:
@@ -103,7 +113,17 @@ class Batcher:
 
     An iteration (`begin`) admits every waiting request up to `max_batch` and costs the decode
     step of the batch it runs plus the prefill of the prompts it admitted; its end (`end`) gives
-    every request in the batch one token."""
+    every request in the batch one token.
+
+    With a KV cache (`kv`), admission also follows vLLM's scheduler: a request is admitted only
+    when its prompt's blocks fit (first come, first served: one that does not fit holds back
+    those behind it), it computes only the prompt tokens it did not find cached, and a running
+    request whose output needs a block where none is free preempts the most recently admitted
+    one, which gives back its blocks and waits again at the head of the queue, to recompute its
+    prompt and output when readmitted. With `max_batched_tokens`, an iteration computes at most
+    that many tokens, one per decoding request first, then prompt chunks in turn (vLLM's chunked
+    prefill); a request's first token comes with the iteration that computes its prompt's last
+    chunk."""
 
     def __init__(
         self,
@@ -111,23 +131,38 @@ class Batcher:
         max_batch: int,
         default_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
         steps: list[float] | None = None,
+        kv: KvCache | None = None,
+        max_batched_tokens: int | None = None,
+        hash_stride: int = 1,
     ) -> None:
         """`steps`: step_time(profile, b) for b = 0..max_batch, where the caller shares one table
-        among the replicas of a model; the hot path indexes instead of interpolating."""
+        among the replicas of a model; the hot path indexes instead of interpolating.
+        `hash_stride`: how many of a request's block hashes (`Request.blocks`) make one of the
+        cache's blocks, where its blocks are larger than those the hashes were cut at."""
         self.profile = profile
         self.max_batch = max_batch
         self.default_prompt_tokens = default_prompt_tokens
         self.steps = steps or [step_time(profile, b) for b in range(max_batch + 1)]
+        self.kv = kv
+        self.max_batched_tokens = max_batched_tokens
+        self.hash_stride = hash_stride
         self.waiting: list[Job] = []
         self.running: list[Job] = []
         self.owed = 0
         """Output tokens still owed to the requests in flight (what the gateway counts live)."""
+        self.prompt_tokens = 0
+        """Prompt tokens of the requests admitted, each time one was (vLLM's prefix cache
+        queries)."""
+        self.hit_tokens = 0
+        """Of those, the ones found cached (vLLM's prefix cache hits)."""
+        self.preemptions = 0
 
     @property
     def in_flight(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, job: Job) -> None:
+        job.prefill = self._prompt(job)
         self.waiting.append(job)
         self.owed += job.remaining
 
@@ -137,34 +172,117 @@ class Batcher:
             self.running.remove(job)
         else:
             self.waiting.remove(job)
+        self._release(job)
         self.owed -= job.remaining
+
+    def _prompt(self, job: Job) -> int:
+        tokens = job.request.prompt_tokens
+        return self.default_prompt_tokens if tokens is None else tokens
+
+    def _release(self, job: Job) -> None:
+        if job.hold is not None and self.kv is not None:
+            self.kv.release(job.hold)
+            job.hold = None
 
     def begin(self) -> float | None:
         """Start an iteration: admit what fits; its cost alone on its device (None: no work)."""
+        if self.kv is not None or self.max_batched_tokens is not None:
+            return self._begin_paged()
         admitted = self.waiting[: max(0, self.max_batch - len(self.running))]
         del self.waiting[: len(admitted)]
         self.running += admitted
         if not self.running:
             return None
-        prefill = sum(
-            self.default_prompt_tokens
-            if j.request.prompt_tokens is None
-            else j.request.prompt_tokens
-            for j in admitted
-        )
+        prefill = 0
+        for job in admitted:
+            prefill += job.prefill
+            self.prompt_tokens += job.prefill
+            job.prefill = 0
         return self.steps[len(self.running)] + prefill * self.profile.prefill_s_per_token
 
+    def _begin_paged(self) -> float | None:
+        budget = self.max_batched_tokens or math.inf
+        computed = 0
+        i = 0
+        while i < len(self.running):  # `_grow` may preempt from the end, this one included
+            job = self.running[i]
+            if job.prefill == 0:
+                budget -= 1
+                if self.kv is not None:
+                    self._grow(job)
+            i += 1
+        for job in self.running:  # chunks of prompts admitted earlier
+            if job.prefill > 0 and budget > 0:
+                chunk = int(min(budget, job.prefill))
+                job.prefill -= chunk
+                budget -= chunk
+                computed += chunk
+        while self.waiting and len(self.running) < self.max_batch and budget > 0:
+            job = self.waiting[0]
+            if self.kv is not None and not self._admit(job):
+                break
+            self.waiting.pop(0)
+            self.running.append(job)
+            chunk = int(min(budget, job.prefill))
+            job.prefill -= chunk
+            budget -= chunk
+            computed += chunk
+        if not self.running:
+            return None
+        return self.steps[len(self.running)] + computed * self.profile.prefill_s_per_token
+
+    def _admit(self, job: Job) -> bool:
+        """Hold `job`'s blocks if they fit, and take its cached prefix off its prefill."""
+        kv = self.kv
+        assert kv is not None
+        size = kv.block_size
+        context = job.prefill  # its prompt, and what it had generated if it was preempted
+        hashes = job.request.blocks or ()
+        if self.hash_stride > 1:
+            hashes = hashes[self.hash_stride - 1 :: self.hash_stride]
+        # vLLM computes at least a prompt's last token, whatever is cached (for its logits).
+        got = kv.hold(hashes, -(-context // size), (context - 1) // size)
+        if got is None:
+            return False
+        job.hold, hit = got
+        job.cached_tokens = hit * size
+        job.prefill = context - job.cached_tokens
+        self.prompt_tokens += context
+        self.hit_tokens += job.cached_tokens
+        return True
+
+    def _grow(self, job: Job) -> None:
+        """A block for `job`'s next token where it needs one, preempting the most recently
+        admitted requests (perhaps itself) until one is free."""
+        kv = self.kv
+        assert kv is not None and job.hold is not None
+        context = self._prompt(job) + job.tokens - job.remaining  # the KV its next step reads
+        if -(-context // kv.block_size) <= len(job.hold.hashes) + job.hold.private:
+            return
+        while not kv.extend(job.hold):
+            victim = self.running.pop()
+            self._release(victim)
+            victim.prefill = self._prompt(victim) + victim.tokens - victim.remaining
+            self.waiting.insert(0, victim)
+            self.preemptions += 1
+            if victim is job:
+                return
+
     def end(self, now: float) -> list[tuple[Job, str]]:
-        """End the iteration at `now`: a token for every request in the batch. Returns the
-        requests that ended, with how: their last token (OK) or their deadline (DEADLINE: one
-        the deadline overtook while it was prefilled, whose token never counts, and those that
-        waited out their deadlines in the queue)."""
+        """End the iteration at `now`: a token for every request in the batch whose prompt is
+        computed. Returns the requests that ended, with how: their last token (OK) or their
+        deadline (DEADLINE: one the deadline overtook while it was prefilled, whose token never
+        counts, and those that waited out their deadlines in the queue)."""
         ended: list[tuple[Job, str]] = []
         still: list[Job] = []
         for job in self.running:
             if job.first_token is None and job.deadline < now:
                 self.owed -= job.remaining  # aborted before this token
+                self._release(job)
                 ended.append((job, DEADLINE))
+                continue
+            if job.prefill > 0:  # a chunk of its prompt: no token yet
+                still.append(job)
                 continue
             job.remaining -= 1
             self.owed -= 1
@@ -173,6 +291,7 @@ class Batcher:
             if job.remaining > 0:
                 still.append(job)
             else:
+                self._release(job)
                 ended.append((job, OK))
         self.running = still
         late = [j for j in self.waiting if j.deadline <= now]
@@ -224,17 +343,39 @@ class Simulator:
         interference: float = 0.0,
         default_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
         deadlines: dict[str, float] | None = None,
+        kv: Sequence[tuple[int, int] | None] | None = None,
+        max_batched_tokens: int | None = None,
+        on_kv_event: Callable[[int, str, list[int]], None] | None = None,
     ) -> None:
         """`replicas`: (name, model, device) each; `profiles`: model -> its latency profile;
-        `deadlines`: QoS class -> first-token deadline in seconds (a class not named has none)."""
+        `deadlines`: QoS class -> first-token deadline in seconds (a class not named has none);
+        `kv`: per replica, its KV cache as (tokens, block size), or None for none (the default
+        for all); `max_batched_tokens`: vLLM's token budget per iteration (None: no limit);
+        `on_kv_event(replica, kind, hashes)` hears the caches' stored and removed blocks."""
         missing = sorted({m for _, m, _ in replicas} - set(profiles))
         if missing:
             raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
         tables = {m: [step_time(p, b) for b in range(max_batch + 1)] for m, p in profiles.items()}
-        self.replicas = [
-            _Replica(n, m, d, Batcher(profiles[m], max_batch, default_prompt_tokens, tables[m]))
-            for n, m, d in replicas
-        ]
+        kv = list(kv) if kv is not None else [None] * len(replicas)
+        self.hash_block = min((size for _, size in filter(None, kv)), default=16)
+        """The block size `Request.blocks` are cut at: the smallest cache's."""
+        self.replicas = []
+        for index, ((n, m, d), cache) in enumerate(zip(replicas, kv, strict=True)):
+            batch = Batcher(
+                profiles[m], max_batch, default_prompt_tokens, tables[m],
+                max_batched_tokens=max_batched_tokens,
+            )  # fmt: skip
+            if cache is not None:
+                tokens, size = cache
+                if size % self.hash_block:
+                    raise ValueError(f"{n}: KV blocks of {size} tokens, not a multiple of "
+                                     f"{self.hash_block}")  # fmt: skip
+                tell = None
+                if on_kv_event is not None:
+                    tell = functools.partial(on_kv_event, index)
+                batch.kv = KvCache(tokens // size, size, tell)
+                batch.hash_stride = size // self.hash_block
+            self.replicas.append(_Replica(n, m, d, batch))
         self.devices = Devices(interference)
         self.slo = slo
         self.deadlines = deadlines or {}
@@ -255,6 +396,13 @@ class Simulator:
         kwargs.setdefault("deadlines", {n: c.deadline_s for n, c in deployment.qos_classes.items()})
         if deployment.max_batch is not None:  # vLLM's cap on a batch, where the deployment sets one
             kwargs.setdefault("max_batch", deployment.max_batch)
+        kwargs.setdefault(
+            "kv",
+            [(r.kv_tokens, r.block_size) if r.kv_tokens else None for r in deployment.replicas],
+        )
+        budget = deployment.engine_arg("max_num_batched_tokens")
+        if budget is not None:
+            kwargs.setdefault("max_batched_tokens", budget)
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)
 
     def view(self) -> ClusterView:

@@ -23,7 +23,7 @@ def test_every_shipped_deployment_resolves() -> None:
     sizes = {name: len(resolve(spec, name, ROOT).replicas) for name in spec.deployments}
     assert sizes == {
         "embedded": 3, "opt-cpu": 3, "paper-4gpu": 12, "remote": 3,
-        "paper-4gpu-sim": 12, "embedded-sim": 3,
+        "paper-4gpu-sim": 12, "embedded-sim": 3, "seed003-sim": 8,
     }  # fmt: skip
 
 
@@ -46,6 +46,31 @@ def test_quality_is_seed_table_1_normalised_to_the_deployments_best_model(tmp_pa
     cpu = load_deployment(ROOT / "models.yaml", "opt-cpu").quality
     assert cpu["hellaswag"]["opt-1.3b"] == 1.0
     assert cpu["hellaswag"]["opt-125m"] == pytest.approx(0.45 / 0.78)
+
+
+def test_kv_capacity_is_what_vllm_sizes() -> None:
+    """On CPU the placement's kv_cache_gib, as vLLM logged it for the embedded engines ("CPU KV
+    cache size: 131,072 tokens" for tiny-s, 21,760 for tiny-m); on a GPU the placement's share
+    of the device less weights and reserve, in whole blocks."""
+    embedded = {r.model: r for r in load_deployment(ROOT / "models.yaml", "embedded").replicas}
+    assert (embedded["tiny-s"].kv_tokens, embedded["tiny-m"].kv_tokens) == (131_072, 21_760)
+    assert embedded["tiny-s"].block_size == 128
+    seed = load_deployment(ROOT / "models.yaml", "seed003-sim").replicas[0]
+    room = 0.95 * 22.49 * 2**30 - 8.03e9 * 1.13 - 2.0 * 2**30
+    assert seed.block_size == 16
+    assert seed.kv_tokens == int(room // (2 * 32 * 8 * 128)) // 16 * 16
+    # Nothing sizes it: no cache modelled.
+    assert all(
+        r.kv_tokens is None for r in load_deployment(ROOT / "models.yaml", "remote").replicas
+    )
+
+
+def test_a_device_share_too_small_for_the_weights_is_refused(tmp_path: Path) -> None:
+    spec = shipped()
+    for entry in spec["placements"]["seed003-8xl4"]:
+        entry["memory_fraction"] = 0.3
+    with pytest.raises(ConfigError, match="holds no KV cache beside"):
+        load_deployment(write(tmp_path, spec), "seed003-sim")
 
 
 def test_slo_is_40_ms_per_output_token() -> None:

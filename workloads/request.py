@@ -48,6 +48,10 @@ class Request:
     path: PathEstimate | None = None
     """What the server measured of its client's network path (None: nothing), or, in the
     simulator, the estimate of the path its client was drawn on."""
+    blocks: tuple[int, ...] | None = None
+    """The chained hashes of its prompt's full blocks of tokens (`router.kv_cache.block_hashes`,
+    at the deployment's smallest KV block), where whoever counted its tokens cut them: what a
+    prefix cache and a prefix-aware router know it by."""
 
     @property
     def is_chat(self) -> bool:
@@ -82,9 +86,14 @@ def request_from_row(row: dict[str, Any]) -> Request:
         prompt = TokenIds(tuple(prompt["ids"]))
     elif not isinstance(prompt, str):
         prompt = tuple(Message(m["role"], m["content"]) for m in prompt)
-    path = row.get("path")
+    path, blocks = row.get("path"), row.get("blocks")
     request = Request(
-        **{**row, "prompt": prompt, "path": PathEstimate(*path) if path is not None else None}
+        **{
+            **row,
+            "prompt": prompt,
+            "path": PathEstimate(*path) if path is not None else None,
+            "blocks": tuple(blocks) if blocks is not None else None,
+        }
     )
     # What the server checks (max_tokens, the class, the prompt) is its to refuse, with a 4xx the
     # run counts; when to send is the load generator's alone.

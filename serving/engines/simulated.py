@@ -35,6 +35,7 @@ from config import Deployment, ReplicaConfig
 from config.deployment import Simulation
 from config.schema import Faults
 from router.admission import DEFAULT_MAX_BATCH
+from router.kv_cache import KvCache, block_hashes
 from router.sim import Batcher, Devices, Job
 from serving.embedded import ensure_built
 from serving.engines.base import (
@@ -95,6 +96,8 @@ class SimulatedCluster:
         self.deployment = deployment
         self.simulation: Simulation = deployment.simulation
         self.devices = Devices(deployment.profile.interference)
+        self.hash_block = min(r.block_size for r in deployment.replicas)
+        """The block size prompts' hashes are cut at (`Request.blocks`): the smallest one."""
         self.started = time.monotonic()
         self._tokenizers: dict[str, Any] = {}
         self._loading = threading.Lock()
@@ -142,7 +145,16 @@ class SimulatedEngine:
         self.cluster = cluster
         self.max_model_len = config.engine_int("max_model_len", DEFAULT_MAX_MODEL_LEN)
         max_batch = config.engine_int("max_num_seqs", DEFAULT_MAX_BATCH)
-        self._batch = Batcher(profile.models[config.model], max_batch)
+        kv = None
+        if config.kv_tokens:
+            kv = KvCache(config.kv_tokens // config.block_size, config.block_size)
+        self._batch = Batcher(
+            profile.models[config.model],
+            max_batch,
+            kv=kv,
+            max_batched_tokens=config.engine_args_int("max_num_batched_tokens"),
+            hash_stride=config.block_size // cluster.hash_block,
+        )
         self._device = config.device or config.name
         faults = cluster.simulation.faults
         mine = faults is not None and (faults.replicas is None or config.name in faults.replicas)
@@ -189,7 +201,12 @@ class SimulatedEngine:
         ids = await self._prompts.ids(request, self.max_model_len)
         prompt_tokens = len(ids)
         tokens = output_budget(request, prompt_tokens, self.max_model_len)
-        stream = self._admit(replace(request, prompt_tokens=prompt_tokens), tokens, sampling)
+        blocks = request.blocks
+        if blocks is None and self._batch.kv is not None:
+            blocks = block_hashes(ids, self.cluster.hash_block)
+        stream = self._admit(
+            replace(request, prompt_tokens=prompt_tokens, blocks=blocks), tokens, sampling
+        )
         echo = self._prompts.text(request, ids) if sampling.echo else None
         try:
             while True:
@@ -252,14 +269,17 @@ class SimulatedEngine:
                 due = None
                 continue
             start = loop.time() if due is None else due
-            running = list(self._batch.running)
+            # Who gets a token: a request whose prompt is still computed in chunks gets none.
+            running = [(job, job.remaining) for job in self._batch.running]
             due = start + cost * self.cluster.devices.start(self._device)
             try:
                 await asyncio.sleep(due - loop.time())
             finally:
                 self.cluster.devices.stop(self._device)
             self._batch.end(due)
-            for job in running:
+            for job, remaining in running:
+                if job.remaining == remaining:
+                    continue
                 stream = self._streams.get(job.request.request_id)
                 # The job's own stream: one aborted during the iteration frees its id, which
                 # a new request (a client may choose its id) can take before the iteration ends.
