@@ -7,6 +7,13 @@ counts, so each replica gets an idle stand-in that says it is healthy. Each call
 own with perf_counter_ns; the garbage collector is off while timing, as in timeit. Prints p50,
 p99 and max per policy, and writes results/route_decision.csv.
 
+Then the prefix-aware policies (`--prefix`, on by default) on seed 003's deployment
+(`seed003-sim`, eight replicas), with seed 003's prompts (832 tokens, 52 blocks each on
+average, counted and hashed before the timing, as the gateway does before it routes): least-load
+as the floor, bounded-load hashing, and the approximate and precise indexes, each warmed first
+(the approximate one by routing every distinct prompt once, the precise one by each prompt's
+blocks stored on a replica drawn at random).
+
 Then the network-aware DQN against the network-blind one (`--paths`, default `mixed`, on the
 first deployment): the same calls, each timed on both gateways in turn (which goes first
 alternates), the network-aware one's requests carrying paths of the mix. It prints both p99s and
@@ -42,6 +49,9 @@ class _Idle:
 
     def healthy(self) -> bool:
         return True
+
+    def load(self) -> None:
+        return None  # no load of its own beyond what the gateway counts
 
 
 def _gateway(deployment: Deployment, policy_name: str) -> tuple[Gateway, ReplicaSet]:
@@ -87,6 +97,38 @@ def measure(deployments: list[Deployment], policy_name: str, calls: int, seed: i
     return times / 1000.0
 
 
+def measure_prefix(policy_name: str, calls: int, seed: int) -> np.ndarray:
+    """Microseconds of each prefix-aware decision on seed 003's deployment (module docstring)."""
+    from experiments.prefix_aware import QUICK, counter, seed_requests
+    from router.prefix import PrefixAffinity
+
+    deployment = load_deployment(ROOT / "models.yaml", "seed003-sim")
+    gateway, replicas = _gateway(deployment, policy_name)
+    requests = seed_requests(counter(deployment), QUICK, seed, uneven=False)
+    rng = np.random.default_rng(seed)
+    policy = gateway.policy
+    distinct = {r.prompt: r for r in requests}.values()
+    for request in distinct:
+        if isinstance(policy, PrefixAffinity) and policy.precise:
+            policy.event(int(rng.integers(len(replicas))), "stored", request.blocks or ())
+        else:
+            gateway._route(request, AUTO, 50.0, replicas.view(None))
+    loads = rng.integers(0, 256, size=(calls, len(deployment.replicas)))
+    times = np.empty(calls)
+    gc.disable()
+    try:
+        for i in range(calls):
+            for replica, n in zip(replicas, loads[i], strict=True):
+                replica.running = int(n)
+            request = requests[i % len(requests)]
+            start = time.perf_counter_ns()
+            gateway._route(request, AUTO, 50.0, replicas.view(None))
+            times[i] = time.perf_counter_ns() - start
+    finally:
+        gc.enable()
+    return times / 1000.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,6 +138,12 @@ def main() -> int:
         "--policies", nargs="+", default=["dqn", "quality-threshold", "prefix-hash", "least-load"]
     )
     parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument(
+        "--prefix",
+        nargs="*",
+        default=["least-load", "prefix-hash", "prefix-approx", "prefix-precise"],
+        help="prefix-aware policies to time on seed003-sim (none: skip)",
+    )
     parser.add_argument("--paths", default="mixed", help="the network-aware DQN's path mix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "results")
@@ -111,6 +159,9 @@ def main() -> int:
                 print(f"{dep:>12} {policy:>18} skipped: {exc}")
                 continue
             rows.append(_row(dep, policy, us, args.calls))
+    for policy in args.prefix:
+        rows.append(_row("seed003-sim", policy, measure_prefix(policy, args.calls, args.seed),
+                         args.calls))  # fmt: skip
     first = args.deployments[0]
     blind, aware = load_deployment(config, first), load_deployment(config, first, args.paths)
     if aware.policy_file == blind.policy_file:

@@ -15,11 +15,11 @@ from router.policies import (
     LeastLoad,
     Policy,
     PowerOfTwo,
-    PrefixHash,
     QualityThreshold,
     RandomModel,
     RoundRobin,
     Static,
+    prefix_hash,
 )
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
@@ -75,7 +75,7 @@ def baselines(
         "round-robin": RoundRobin,
         "least-load": LeastLoad,
         "p2c": PowerOfTwo,
-        "prefix-hash": lambda: PrefixHash([r.name for r in deployment.replicas]),
+        "prefix-hash": lambda: prefix_hash(deployment),
         "random": lambda: RandomModel(deployment.models),
     }
     return {name: make for name, make in policies.items() if want(name)}

@@ -1,84 +1,397 @@
-"""`python -m experiments.prefix_aware`: prefix-aware routing (seed 003) on the live deployment.
+"""`python -m experiments.prefix_aware`: seed 003 (KubeAI's prefix-aware load balancing),
+reproduced in the simulator.
 
-Multi-turn sessions (each turn resends the whole conversation, led by a document of its own), as
-Poisson arrivals, sent to the real embedded deployment with vLLM's prefix caching on (its
-default), once per routing policy, each on a freshly started server so that no policy inherits a
-warm cache. Compares TTFT and throughput.
+The seed's shape: eight replicas of Llama 3.1 8B FP8 on L4s (`seed003-sim`), each with vLLM's
+prefix cache (`router.kv_cache`), sent seed 003's benchmark workload (800 prompts cut from
+multi-turn conversations, 8,000 requests, `workloads.conversations.seed003_prompts`) by a
+closed-loop client at concurrency 800, 1,600, 3,200 and 8,000 and the seed's request rates
+(800, 200, 200, 800 a second), as `vllm bench serve --max-concurrency` sends them
+(`router.closed_loop`). Prompts are counted, and their blocks hashed, by the deployment's
+tokenizer through its chat template, as the gateway counts them. No first-token deadline: the
+seed's client had none.
 
-Writes results/prefix_aware.csv and .png and prints the table.
+Every policy runs: round-robin, random (Kubernetes' Service), least-load, and the three
+prefix-aware ones (`router.prefix`): bounded-load hashing (KubeAI's), an approximate index kept
+from routing decisions, and a precise one kept from the engines' KV events. The table prints
+beside the seed's numbers.
+
+`--uneven` draws the prompts with Zipf popularity over conversations (some far busier than
+others) instead of the seed's ten passes. `--calibrate` fits the L4 profile to the seed's
+round-robin row alone (module `calibrate`) and prints what models.yaml should hold.
+
+Writes results/prefix_aware/seed.csv (and .png), or uneven.csv, or calibration.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
+import math
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from experiments.live import replay, server
+import numpy as np
+
+from config import Deployment, load, load_deployment
+from config.deployment import GIB
+from config.schema import ProfileModel
 from experiments.output import write_csv
+from router.closed_loop import run_closed_loop
+from router.kv_cache import KvCache
+from router.policies import Policy, make_policy
+from router.prefix import PrefixAffinity
+from router.sim import Finished, Simulator, step_time
+from serving.engines.prompts import PromptCounter, PromptTokenizer
+from serving.engines.simulated import SimulatedCluster
+from workloads import Request
+from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
 
-POLICIES = ("round-robin", "least-load", "prefix-hash", "dqn")
+DEPLOYMENT = "seed003-sim"
+POLICIES = (
+    "round-robin", "random-replica", "least-load", "prefix-hash", "prefix-approx", "prefix-precise",
+)  # fmt: skip
+RUNS = ((800, 800.0), (1600, 200.0), (3200, 200.0), (8000, 800.0))
+"""(concurrency, request rate) of the seed's four runs."""
+
+SEED = {
+    # Seed 003's published results: mean TTFT (ms), P99 TTFT (ms), benchmark duration (s).
+    "round-robin": {800: (1319.77, 7438.41, 159.98), 1600: (10365.29, 22283.86, 157.07),
+                    3200: (27183.41, 51797.57, 156.36), 8000: (48587.55, 101940.11, 156.20)},
+    "least-load": {800: (817.18, 5551.81, 158.39), 1600: (10579.01, 15514.10, 153.02),
+                   3200: (24147.86, 46021.48, 152.43), 8000: (39163.80, 78489.26, 152.59)},
+    "prefix-hash": {800: (280.20, 1260.53, 104.67), 1600: (196.13, 492.33, 110.00),
+                    3200: (213.92, 838.35, 111.37), 8000: (237.06, 619.65, 107.89)},
+}  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.prefix_aware", description=__doc__)
-    parser.add_argument("--deployment", default="embedded")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
-    parser.add_argument("--rate", type=float, default=3.0)
-    parser.add_argument("--duration", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results", type=Path, default=Path("results"))
-    args = parser.parse_args()
-    flags = ["--deployment", args.deployment, "--arrivals", "poisson", "--rate", str(args.rate),
-             "--duration", str(args.duration), "--seed", str(args.seed), "--sessions"]  # fmt: skip
+@dataclass(frozen=True)
+class Scale:
+    conversations: int
+    prompts: int
+    requests: int
+    runs: tuple[tuple[int, float], ...]
+
+
+FULL = Scale(conversations=150, prompts=800, requests=8000, runs=RUNS)
+QUICK = Scale(
+    conversations=40, prompts=200, requests=2000, runs=tuple((c // 4, r / 4) for c, r in RUNS)
+)
+
+
+def counter(deployment: Deployment) -> PromptCounter:
+    """Counts as the twin's gateway does: the deployment's tokenizer and chat template, blocks
+    hashed at its smallest KV block."""
+    cluster = SimulatedCluster(deployment)
+    first = deployment.replicas[0]
+    prompts = PromptTokenizer(cluster.tokenizer(first), first)
+    return PromptCounter(prompts, cluster.hash_block, remember=True)
+
+
+def seed_requests(count: PromptCounter, scale: Scale, seed: int, uneven: bool) -> list[Request]:
+    convs = conversations(SHAREGPT_16, scale.conversations, seed)
+    requests = seed003_prompts(convs, scale.prompts, scale.requests, count=count)
+    if uneven:
+        requests = zipf_draws(requests, scale.requests, seed)
+    return [count.counted(r) for r in requests]
+
+
+def zipf_draws(requests: Sequence[Request], n: int, seed: int, s: float = 1.1) -> list[Request]:
+    """`n` requests drawn from the distinct prompts of `requests`, a conversation by Zipf
+    popularity (exponent `s`), then one of its prompts uniformly."""
+    by_session: dict[str, list[Request]] = {}
+    for r in requests:
+        by_session.setdefault(r.session_id or "", [])
+        if r.prompt not in (p.prompt for p in by_session[r.session_id or ""]):
+            by_session[r.session_id or ""].append(r)
+    sessions = list(by_session)
+    rng = np.random.default_rng([seed, 11])
+    weights = 1 / np.arange(1, len(sessions) + 1) ** s
+    picks = rng.choice(len(sessions), size=n, p=weights / weights.sum())
+    out = []
+    for i, k in enumerate(picks):
+        pool = by_session[sessions[k]]
+        out.append(replace(pool[int(rng.integers(len(pool)))], request_id=f"z{i}"))
+    return out
+
+
+def simulate(
+    deployment: Deployment,
+    policy_name: str,
+    requests: Sequence[Request],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    profile: ProfileModel | None = None,
+    kv_tokens: int | None = None,
+    routers: int = 1,
+) -> tuple[list[Finished], Simulator]:
+    """One run: `policy_name` over `requests` on a fresh simulator, without deadlines.
+    `profile` and `kv_tokens` replace the deployment's (for calibration). With `routers`,
+    requests take turns among that many routers, each with its own policy (front-end workers
+    that do not share their indexes); every precise one hears every engine's events."""
+    policies: list[Policy] = [make_policy(deployment, policy_name) for _ in range(routers)]
+    precise = [p for p in policies if isinstance(p, PrefixAffinity) and p.precise]
+    hear = None
+    if precise:
+
+        def hear(replica: int, kind: str, blocks: list[int]) -> None:
+            for p in precise:
+                p.event(replica, kind, blocks)
+
+    sim = Simulator.from_deployment(deployment, deadlines={}, on_kv_event=hear)
+    if profile is not None:  # one model: every replica takes the replacement
+        for r in sim.replicas:
+            r.batch.profile = profile
+            r.batch.steps = [step_time(profile, b) for b in range(r.batch.max_batch + 1)]
+    if kv_tokens is not None:
+        for index, r in enumerate(sim.replicas):
+            assert r.batch.kv is not None
+            tell = functools.partial(hear, index) if hear is not None else None
+            r.batch.kv = KvCache(kv_tokens // r.batch.kv.block_size, r.batch.kv.block_size, tell)
+    obs = np.zeros(1, dtype=np.float32)
+    turn = itertools.count()
+    done = run_closed_loop(
+        sim,
+        lambda r, v: policies[next(turn) % routers].choose(obs, r, v),
+        requests,
+        concurrency,
+        rate,
+        seed,
+    )
+    return done, sim
+
+
+def row(
+    policy: str, concurrency: int, rate: float, done: Sequence[Finished], sim: Simulator
+) -> dict:
+    ttft = np.array([f.first_token - f.arrival for f in done if f.first_token is not None])
+    tpot = [
+        (f.last_token - f.first_token) / (f.output_tokens - 1)
+        for f in done
+        if f.first_token is not None and f.output_tokens > 1
+    ]
+    duration = max(f.last_token for f in done)
+    batches = [r.batch for r in sim.replicas]
+    queried = sum(b.prompt_tokens for b in batches)
+    return {
+        "policy": policy,
+        "concurrency": concurrency,
+        "rate": rate,
+        "requests": len(done),
+        "mean_ttft_ms": 1000 * float(ttft.mean()),
+        "median_ttft_ms": 1000 * float(np.median(ttft)),
+        "p99_ttft_ms": 1000 * float(np.percentile(ttft, 99)),
+        "mean_tpot_ms": 1000 * float(np.mean(tpot)),
+        "duration_s": duration,
+        "throughput": len(done) / duration,
+        "hit_rate": sum(b.hit_tokens for b in batches) / queried if queried else 0.0,
+        "preemptions": sum(b.preemptions for b in batches),
+    }
+
+
+def run_table(
+    deployment: Deployment,
+    requests: Sequence[Request],
+    policies: Sequence[str],
+    scale: Scale,
+    seed: int,
+    progress: Callable[[], object] = lambda: None,
+    routers: int = 1,
+) -> list[dict]:
     rows = []
-    for policy in args.policies:
-        log = args.results / f"prefix_aware-{policy}-server.log"
-        with server(args.deployment, policy, log) as live:
-            record = replay(live.url, args.results / f"prefix_aware-{policy}.json", *flags)
-        s = record["summary"]
-        rows.append({
-            "policy": policy, "sent": s["sent"], "completed": s["completed"],
-            "mean_ttft_ms": s["mean_ttft_ms"], "median_ttft_ms": s["median_ttft_ms"],
-            "p99_ttft_ms": s["p99_ttft_ms"], "median_itl_ms": s["median_itl_ms"],
-            "output_throughput": s["output_throughput"],
-            "total_token_throughput": s["total_token_throughput"],
-            "mean_reward": s["mean_reward"], "model_share": s["model_share"],
-        })  # fmt: skip
-        print(f"{policy}: done", file=sys.stderr)
-    write_csv(args.results / "prefix_aware.csv", rows)
-    plot(rows, args.results / "prefix_aware.png")
-    print(f"multi-turn sessions, Poisson {args.rate:g} req/s for {args.duration:g} s, seed "
-          f"{args.seed}, deployment {args.deployment}")  # fmt: skip
-    print(f"{'policy':>12} {'done':>9} {'mean TTFT':>10} {'med TTFT':>9} {'p99 TTFT':>9} "
-          f"{'tok/s out':>9} {'tok/s all':>9} {'reward':>7}")  # fmt: skip
+    for (concurrency, rate), name in itertools.product(scale.runs, policies):
+        done, sim = simulate(deployment, name, requests, concurrency, rate, seed, routers=routers)
+        rows.append(row(name, concurrency, rate, done, sim) | {"routers": routers})
+        progress()
+    return rows
+
+
+# Calibration -----------------------------------------------------------------------------------
+
+RESERVES_GIB = (2.0, 8.0, 9.0, 9.5, 10.0, 10.5)
+PREFILL_MS = (0.08, 0.1, 0.12, 0.166)
+STEP_SCALES = (0.6, 0.7, 0.8, 1.0)
+
+
+def calibrate(
+    deployment: Deployment,
+    requests: Sequence[Request],
+    scale: Scale,
+    seed: int,
+    progress: Callable[[], object] = lambda: None,
+) -> list[dict]:
+    """Fit the profile to seed 003's round-robin row alone: every combination of KV reserve
+    (how much of the device's memory share holds no KV cache), prefill per token and a scale on
+    the derived step times, scored by the squared log error of round-robin's mean TTFT and
+    duration at the seed's four runs. The prefix-aware rows are not looked at."""
+    assert deployment.profile is not None
+    model = deployment.models[0]
+    base = deployment.profile.models[model]
+    replica = deployment.replicas[0]
+    share = (replica.memory_fraction or 1.0) * (deployment.profile.device_memory_gib or 0.0)
+    shape = load().models[model].model_shape()
+    assert shape is not None
+    rows = []
+    for reserve, prefill_ms, step in itertools.product(RESERVES_GIB, PREFILL_MS, STEP_SCALES):
+        room = share * GIB - shape.weights_bytes - reserve * GIB
+        tokens = int(room // shape.kv_bytes_per_token) // replica.block_size * replica.block_size
+        profile = base.model_copy(
+            update={
+                "prefill_s_per_token": prefill_ms / 1000,
+                "step_s": {b: t * step for b, t in base.step_s.items()},
+            }
+        )
+        error = 0.0
+        for concurrency, rate in scale.runs:
+            done, sim = simulate(
+                deployment, "round-robin", requests, concurrency, rate, seed, profile, tokens
+            )
+            r = row("round-robin", concurrency, rate, done, sim)
+            ttft, _, duration = SEED["round-robin"][_full(concurrency, scale)]
+            error += (
+                math.log(r["mean_ttft_ms"] / ttft) ** 2 + math.log(r["duration_s"] / duration) ** 2
+            )
+        rows.append(
+            {
+                "reserved_gib": reserve,
+                "kv_tokens": tokens,
+                "prefill_ms": prefill_ms,
+                "step_scale": step,
+                "error": error,
+            }
+        )
+        progress()
+    return sorted(rows, key=lambda r: r["error"])
+
+
+def _full(concurrency: int, scale: Scale) -> int:
+    """The seed's concurrency a run of `scale` stands for."""
+    concurrencies = [c for c, _ in scale.runs]
+    if len(concurrencies) == len(RUNS) and concurrency in concurrencies:
+        return RUNS[concurrencies.index(concurrency)][0]
+    return concurrency
+
+
+# Output ------------------------------------------------------------------------------------------
+
+
+def print_table(rows: Sequence[dict], scale: Scale) -> None:
+    print(
+        f"{'policy':>15} {'conc':>5} {'mean TTFT':>10} {'p99 TTFT':>10} {'TPOT':>6} "
+        f"{'dur s':>6} {'req/s':>6} {'hits':>5} | {'seed mean':>9} {'seed p99':>9} {'seed dur':>8}"
+    )
     for r in rows:
-        print(f"{r['policy']:>12} {r['completed']:>4}/{r['sent']:<4} {r['mean_ttft_ms']:>10.1f} "
-              f"{r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>9.1f} "
-              f"{r['output_throughput']:>9.1f} {r['total_token_throughput']:>9.1f} "
-              f"{r['mean_reward']:>7.3f}")  # fmt: skip
-    print(f"wrote {args.results / 'prefix_aware.csv'} and .png")
-    return 0
+        seed = SEED.get(r["policy"], {}).get(_full(r["concurrency"], scale))
+        theirs = f"{seed[0]:>9.0f} {seed[1]:>9.0f} {seed[2]:>8.1f}" if seed else ""
+        print(
+            f"{r['policy']:>15} {r['concurrency']:>5} {r['mean_ttft_ms']:>10.0f} "
+            f"{r['p99_ttft_ms']:>10.0f} {r['mean_tpot_ms']:>6.0f} {r['duration_s']:>6.1f} "
+            f"{r['throughput']:>6.1f} {r['hit_rate']:>5.2f} | {theirs}"
+        )
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: Sequence[dict], scale: Scale, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = [r["policy"] for r in rows]
-    left.bar(names, [r["median_ttft_ms"] for r in rows], label="median")
-    left.plot(names, [r["p99_ttft_ms"] for r in rows], "k^", label="p99")
-    left.set(ylabel="TTFT (ms)", title="Time to first token")
-    left.legend()
-    right.bar(names, [r["total_token_throughput"] for r in rows])
-    right.set(ylabel="tokens/s (prompt + output)", title="Throughput")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    concurrencies = [c for c, _ in scale.runs]
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == name]
+        line = left.plot(concurrencies, [r["mean_ttft_ms"] for r in mine], "o-", label=name)
+        right.plot(concurrencies, [r["hit_rate"] for r in mine], "o-", color=line[0].get_color())
+        if name in SEED:
+            left.plot(
+                concurrencies,
+                [SEED[name][_full(c, scale)][0] for c in concurrencies],
+                "x--",
+                color=line[0].get_color(),
+                label=f"{name} (seed 003)",
+            )
+    left.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="mean TTFT (ms)", title=title)
+    left.legend(fontsize=7)
+    right.set(
+        xscale="log",
+        xlabel="concurrency",
+        ylabel="prefix cache hit rate (tokens)",
+        title="Prefix cache hits",
+        ylim=(0, 1),
+    )
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.prefix_aware", description=__doc__)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests (seconds)")
+    parser.add_argument(
+        "--uneven",
+        action="store_true",
+        help="Zipf popularity over conversations instead of the seed's passes",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the L4 profile on the seed's round-robin row, print the best",
+    )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="routers taking turns, each with its own index (default 1)",
+    )
+    parser.add_argument(
+        "--runs", help="concurrency:rate pairs instead of the seed's four, e.g. 8000:74"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results", type=Path, default=Path("results/prefix_aware"))
+    args = parser.parse_args()
+    from tqdm import tqdm
+
+    scale = QUICK if args.quick else FULL
+    if args.runs:
+        runs = tuple((int(c), float(r)) for c, r in (p.split(":") for p in args.runs.split(",")))
+        scale = replace(scale, runs=runs)
+    deployment = load_deployment(name=DEPLOYMENT)
+    requests = seed_requests(counter(deployment), scale, args.seed, args.uneven)
+    prompt = np.mean([r.prompt_tokens or 0 for r in requests])
+    output = np.mean([r.max_tokens or 0 for r in requests])
+    print(
+        f"{len(requests)} requests, {len({r.prompt for r in requests})} distinct prompts from "
+        f"{len({r.session_id for r in requests})} conversations; {prompt:.0f} prompt tokens and "
+        f"{output:.0f} output tokens on average (seed 003: 832 and 76)",
+        file=sys.stderr,
+    )
+    if args.calibrate:
+        total = len(RESERVES_GIB) * len(PREFILL_MS) * len(STEP_SCALES)
+        with tqdm(total=total, desc="calibrating", file=sys.stderr) as bar:
+            fits = calibrate(deployment, requests, scale, args.seed, bar.update)
+        write_csv(args.results / "calibration.csv", fits)
+        for fit in fits[:5]:
+            print(fit)
+        return 0
+    with tqdm(total=len(scale.runs) * len(args.policies), desc="runs", file=sys.stderr) as bar:
+        rows = run_table(
+            deployment, requests, args.policies, scale, args.seed, bar.update, args.routers
+        )
+    name = ("uneven" if args.uneven else "seed") + (f"-{args.routers}r" if args.routers > 1 else "")
+    name += "-runs" if args.runs else ""
+    name += f"-s{args.seed}" if args.seed else ""
+    write_csv(args.results / f"{name}.csv", rows)
+    title = "Mean TTFT, " + ("Zipf-popular conversations" if args.uneven else "seed 003's workload")
+    plot(rows, scale, args.results / f"{name}.png", title)
+    print_table(rows, scale)
+    print(f"wrote {args.results / name}.csv and .png")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

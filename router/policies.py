@@ -6,22 +6,22 @@ The baselines read the view; the DQN reads only the observation, as it did in tr
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import xxhash
 
 from config import Deployment
 from router.features import FeatureEncoder
+from router.prefix import PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
-from workloads import Request, TokenIds
+from workloads import Request
+
+__all__ = ["PrefixHash", "PrefixAffinity", "PrefixIndex"]  # prefix policies live in router.prefix
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,19 @@ class PowerOfTwo:
         return int(min(picks, key=lambda i: view.replicas[i].running))
 
 
+class RandomReplica:
+    """An available replica drawn uniformly (Kubernetes' Service as kube-proxy spreads it)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        available = [i for i, r in enumerate(view.replicas) if r.available]
+        if not available:
+            raise ValueError("no replica is available")
+        return available[int(self._rng.integers(len(available)))]
+
+
 class RandomModel:
     """A model drawn uniformly, then its least-loaded replica: the floor a learner must clear."""
 
@@ -95,60 +108,6 @@ class RandomModel:
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
         return _least_loaded(view, self.models[int(self._rng.integers(len(self.models)))])
-
-
-class PrefixHash:
-    """KubeAI's PrefixHash (seed 003): consistent hashing with bounded loads (Mirrokni et al.).
-
-    The key is the first `prefix_chars` characters of the first user message, so every turn of a
-    conversation maps to the same point on a ring of `replication` virtual nodes per replica. From
-    there the walk takes the first available replica whose load stays within `load_factor` times
-    the average: load + 1 <= ceil((total + 1) / replicas x load_factor). The ceiling is the
-    paper's: it guarantees that some replica fits, even when every load is equal. Hashes are
-    xxHash64, as KubeAI's.
-    """
-
-    def __init__(
-        self,
-        replicas: Sequence[str],
-        prefix_chars: int = 100,
-        replication: int = 256,
-        load_factor: float = 1.25,
-    ) -> None:
-        self.prefix_chars = prefix_chars
-        self.load_factor = load_factor
-        points = sorted(
-            (xxhash.xxh64_intdigest(f"{name}{i}".encode()), index)
-            for index, name in enumerate(replicas)
-            for i in range(replication)
-        )
-        self._hashes = [h for h, _ in points]
-        self._owners = [index for _, index in points]
-
-    def key(self, request: Request) -> str:
-        if isinstance(request.prompt, str):
-            return request.prompt[: self.prefix_chars]
-        if isinstance(request.prompt, TokenIds):  # a token is a few characters: 1 in 4 will do
-            return ",".join(map(str, request.prompt.ids[: self.prefix_chars // 4]))
-        first = next((m.content for m in request.prompt if m.role == "user"), "")
-        return first[: self.prefix_chars]
-
-    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        replicas = view.replicas
-        available = [r for r in replicas if r.available]
-        if not available:
-            raise ValueError("no replica is available")
-        # The average is over the replicas that can take the request, as KubeAI's group holds
-        # only ready endpoints.
-        total = sum(r.running for r in available)
-        bound = math.ceil((total + 1) / len(available) * self.load_factor)
-        start = bisect.bisect(self._hashes, xxhash.xxh64_intdigest(self.key(request).encode()))
-        n = len(self._hashes)
-        for step in range(n):
-            index = self._owners[(start + step) % n]
-            if replicas[index].available and replicas[index].running + 1 <= bound:
-                return index
-        raise AssertionError("unreachable: the least loaded available replica is within bound")
 
 
 class QualityThreshold:
@@ -319,9 +278,27 @@ POLICIES: dict[str, PolicyFactory] = {
     "round-robin": lambda d: RoundRobin(),
     "least-load": lambda d: LeastLoad(),
     "p2c": lambda d: PowerOfTwo(),
-    "prefix-hash": lambda d: PrefixHash([r.name for r in d.replicas]),
+    "prefix-hash": lambda d: prefix_hash(d),
+    "prefix-approx": lambda d: PrefixAffinity(approximate_index(d), False, d.quality),
+    "prefix-precise": lambda d: PrefixAffinity(PrefixIndex(len(d.replicas)), True, d.quality),
     "random": lambda d: RandomModel(d.models),
+    "random-replica": lambda d: RandomReplica(),
 }
+
+
+def prefix_hash(deployment: Deployment) -> PrefixHash:
+    """KubeAI's policy on `deployment`: a ring per model."""
+    replicas = deployment.replicas
+    return PrefixHash([r.name for r in replicas], [r.model for r in replicas], deployment.quality)
+
+
+def approximate_index(deployment: Deployment) -> PrefixIndex:
+    """An index kept from routing decisions, each replica's share bounded by its KV cache in
+    blocks (where the deployment sizes one)."""
+    return PrefixIndex(
+        len(deployment.replicas),
+        [r.kv_tokens // r.block_size if r.kv_tokens else None for r in deployment.replicas],
+    )
 
 
 def make_policy(deployment: Deployment, name: str | None = None) -> Policy:

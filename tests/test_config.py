@@ -56,7 +56,8 @@ def test_kv_capacity_is_what_vllm_sizes() -> None:
     assert (embedded["tiny-s"].kv_tokens, embedded["tiny-m"].kv_tokens) == (131_072, 21_760)
     assert embedded["tiny-s"].block_size == 128
     seed = load_deployment(ROOT / "models.yaml", "seed003-sim").replicas[0]
-    room = 0.95 * 22.49 * 2**30 - 8.03e9 * 1.13 - 2.0 * 2**30
+    reserved = shipped()["profiles"]["l4-llama-3.1-8b-fp8"]["reserved_gib"]
+    room = 0.95 * 22.49 * 2**30 - 8.03e9 * 1.13 - reserved * 2**30
     assert seed.block_size == 16
     assert seed.kv_tokens == int(room // (2 * 32 * 8 * 128)) // 16 * 16
     # Nothing sizes it: no cache modelled.

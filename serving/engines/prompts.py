@@ -5,11 +5,13 @@ what every engine that tokenises locally (vLLM's, the simulated one) must do ali
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from config import ReplicaConfig
+from router.kv_cache import block_hashes
 from serving.engines.base import InvalidRequest
-from workloads import Request, TokenIds
+from workloads import Message, Request, TokenIds
 
 # Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
 # 7 ms for 16,000; a thread hop costs about a tenth of a millisecond. Longer prompts go to a thread.
@@ -52,8 +54,8 @@ class PromptTokenizer:
             )
         try:
             if chars < _INLINE_TOKENIZE_CHARS:
-                return self._ids(request)
-            return await asyncio.to_thread(self._ids, request)
+                return self.encode(request)
+            return await asyncio.to_thread(self.encode, request)
         except TemplateError as exc:  # a model's own template may refuse a conversation
             raise InvalidRequest(
                 f"The chat template refused the messages: {exc}", param="messages"
@@ -67,7 +69,8 @@ class PromptTokenizer:
         """One token's text on its own."""
         return self.tokenizer.decode([token_id])
 
-    def _ids(self, request: Request) -> list[int]:
+    def encode(self, request: Request) -> list[int]:
+        """The prompt's token ids, here and now (`ids` guards the size and the thread)."""
         if isinstance(request.prompt, TokenIds):
             ids = list(request.prompt.ids)
             bad = next((i for i in ids if not 0 <= i < self._vocabulary), None)
@@ -85,6 +88,34 @@ class PromptTokenizer:
         )
         # As vLLM does: a chat template writes its own special tokens.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+class PromptCounter:
+    """Counts prompts once, as the engines will: a request with its token count and its block
+    hashes (`Request.blocks`) filled in. Also what the workload generators count with
+    (`workloads.conversations.Tokens`), so the simulator's counts are the live ones. Where the
+    same prompt comes again (a benchmark that repeats its prompts), the count is remembered."""
+
+    def __init__(self, prompts: PromptTokenizer, hash_block: int, remember: bool = False) -> None:
+        self.prompts = prompts
+        self.hash_block = hash_block
+        self._seen: dict[object, tuple[int, tuple[int, ...]]] | None = {} if remember else None
+
+    def counted(self, request: Request) -> Request:
+        seen = self._seen
+        got = seen.get(request.prompt) if seen is not None else None
+        if got is None:
+            ids = self.prompts.encode(request)
+            got = len(ids), block_hashes(ids, self.hash_block)
+            if seen is not None:
+                seen[request.prompt] = got
+        return replace(request, prompt_tokens=got[0], blocks=got[1])
+
+    def prompt(self, messages: tuple[Message, ...]) -> int:
+        return len(self.prompts.encode(Request("count", 0.0, messages, None, "")))
+
+    def text(self, text: str) -> int:
+        return len(self.prompts.tokenizer.encode(text, add_special_tokens=False))
 
 
 def output_budget(request: Request, prompt_tokens: int, max_model_len: int) -> int:
