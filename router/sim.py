@@ -98,6 +98,7 @@ class Job:
     """Its KV blocks, while it holds any."""
     cached_tokens: int = 0
     """Prompt tokens it found cached when last admitted."""
+    preempted: bool = False
 
 
 def step_time(profile: ProfileModel, batch: int) -> float:
@@ -151,8 +152,8 @@ class Batcher:
         self.owed = 0
         """Output tokens still owed to the requests in flight (what the gateway counts live)."""
         self.prompt_tokens = 0
-        """Prompt tokens of the requests admitted, each time one was (vLLM's prefix cache
-        queries)."""
+        """Prompt tokens of the requests admitted, not counting readmissions after preemption
+        (vLLM's prefix cache queries)."""
         self.hit_tokens = 0
         """Of those, the ones found cached (vLLM's prefix cache hits)."""
         self.preemptions = 0
@@ -247,8 +248,9 @@ class Batcher:
         job.hold, hit = got
         job.cached_tokens = hit * size
         job.prefill = context - job.cached_tokens
-        self.prompt_tokens += context
-        self.hit_tokens += job.cached_tokens
+        if not job.preempted:  # vLLM counts a readmitted request's lookups apart
+            self.prompt_tokens += context
+            self.hit_tokens += job.cached_tokens
         return True
 
     def _grow(self, job: Job) -> None:
@@ -263,6 +265,7 @@ class Batcher:
             victim = self.running.pop()
             self._release(victim)
             victim.prefill = self._prompt(victim) + victim.tokens - victim.remaining
+            victim.preempted = True
             self.waiting.insert(0, victim)
             self.preemptions += 1
             if victim is job:
