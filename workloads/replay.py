@@ -1,6 +1,9 @@
-"""`python -m workloads.replay`: an open-loop load generator against a live endpoint.
+"""`python -m workloads.replay`: a load generator against a live endpoint.
 
-Requests go out at their arrival times whether or not earlier ones have finished, over HTTP/3
+Requests go out at their arrival times whether or not earlier ones have finished (open loop),
+or, with `--max-concurrency N`, at most N at a time, as `vllm bench serve` sends them (closed
+loop, `closed_loop`); with `--conversations`, a conversation's next turn goes out only when its
+previous answer has ended. Over HTTP/3
 (streams spread over `--connections` QUIC connections) or HTTP/1.1 (aiohttp, as `vllm bench serve`
 uses, with a pool of keep-alive connections and no limit on their number), to the server directly
 or through the edge front-end. Every request ends as one `Outcome`: completed, or an error of a
@@ -44,6 +47,7 @@ from workloads.arrivals import (
     maf1,
 )
 from workloads.chat import ChatResult, chat_h1, chat_h2, chat_h3
+from workloads.conversations import SHAPES, conversations, seed003_prompts, turns
 from workloads.generate import (
     Sessions,
     TaskShape,
@@ -270,6 +274,69 @@ async def run_one(
     return outcome
 
 
+async def closed_loop(
+    workload: Sequence[Request],
+    send: Callable[[Request], Awaitable[Outcome]],
+    start: float,
+    concurrency: int | None,
+    ordered: bool,
+) -> list[Outcome]:
+    """Send `workload` with at most `concurrency` requests in flight (None: no limit), each
+    request ready at its arrival time and sent, in the order they became ready, as soon as a
+    slot is free. With `ordered`, a session's requests after its first are ready only when the
+    one before has ended. Each request is sent with its arrival set to when it went out
+    (seconds since `start`, perf_counter), so that its TTFT and SLO count from there, as vLLM's
+    benchmark counts them, not from a wait for a slot that the client imposed."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {concurrency}")
+    later: dict[str, list[Request]] = {}
+    first: list[Request] = []
+    for request in workload:
+        session = request.session_id
+        if ordered and session is not None and session in later:
+            later[session].append(request)
+        else:
+            if ordered and session is not None:
+                later[session] = []
+            first.append(request)
+    for rest in later.values():
+        rest.reverse()  # popped from the end, in order
+    ready: asyncio.Queue[Request] = asyncio.Queue()
+    slots = asyncio.Semaphore(concurrency or len(workload))
+    outcomes: list[Outcome] = []
+
+    async def arrive() -> None:
+        for request in first:
+            delay = start + request.arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            ready.put_nowait(request)
+
+    async def one(request: Request) -> None:
+        try:
+            outcomes.append(await send(replace(request, arrival=time.perf_counter() - start)))
+        finally:
+            slots.release()
+            rest = later.get(request.session_id or "") if ordered else None
+            if rest:
+                ready.put_nowait(rest.pop())
+
+    arrivals = asyncio.create_task(arrive())
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        for _ in range(len(workload)):
+            request = await ready.get()
+            await slots.acquire()
+            task = asyncio.create_task(one(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:
+            await asyncio.wait(set(tasks))
+    finally:
+        arrivals.cancel()
+    return outcomes
+
+
 async def replay(
     workload: Sequence[Request],
     client: Client,
@@ -277,11 +344,14 @@ async def replay(
     timeout: float,
     progress: bool = True,
     start_at: float | None = None,
+    max_concurrency: int | None = None,
+    ordered: bool = False,
 ) -> tuple[list[Outcome], float, float]:
-    """Send every request at its arrival time; return the outcomes, the run's duration and the
-    CPU time this process spent on it (all threads), both in seconds. `start_at`: the wall-clock
-    time (time.time()) that arrival 0 is, once connected, so that load generators in several
-    processes (one per emulated client) send on one clock."""
+    """Send every request at its arrival time (or as `closed_loop` does, with `max_concurrency`
+    or `ordered`); return the outcomes, the run's duration and the CPU time this process spent
+    on it (all threads), both in seconds. `start_at`: the wall-clock time (time.time()) that
+    arrival 0 is, once connected, so that load generators in several processes (one per
+    emulated client) send on one clock."""
     outcomes: list[Outcome] = []
     bar = tqdm(total=len(workload), unit="req", disable=not progress, dynamic_ncols=True)
     loop = asyncio.get_running_loop()
@@ -302,6 +372,15 @@ async def replay(
             await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu = time.process_time()
         start = time.perf_counter()
+        if max_concurrency is not None or ordered:
+
+            async def send(request: Request) -> Outcome:
+                outcome = await run_one(client, request, start, deployment, timeout)
+                bar.update()
+                return outcome
+
+            outcomes = await closed_loop(workload, send, start, max_concurrency, ordered)
+            workload = ()
         for request in workload:
             delay = start + request.arrival - time.perf_counter()
             if delay > 0:
@@ -419,6 +498,36 @@ def build_workload(args: argparse.Namespace) -> tuple[WorkloadSpec, str]:
     return WorkloadSpec(arrivals=process, **common), what
 
 
+def chat_workload(args: argparse.Namespace) -> tuple[list[Request], str]:
+    """`--conversations` or `--seed003` (workloads.conversations), with arrival times: Poisson
+    at --rate where it was given, else all at once."""
+    rate_given = "--rate" in sys.argv or any(a.startswith("--rate=") for a in sys.argv)
+    qos_class = next(iter(parse_mix(args.classes)))
+    if args.seed003:
+        convs = conversations(SHAPES["sharegpt-16"], 150, args.seed)
+        chosen = seed003_prompts(
+            convs, 800, args.num_requests or 8000, args.seed, qos_class=qos_class
+        )
+        what = f"seed 003's {len(chosen)} requests"
+    else:
+        convs = conversations(SHAPES[args.conversations], args.num_conversations, args.seed)
+        chosen = turns(convs, qos_class, max_prompt_tokens=args.max_prompt_tokens)
+        what = f"{args.num_conversations} {args.conversations} conversations, {len(chosen)} turns"
+    starts = len(chosen) if args.seed003 else args.num_conversations
+    gaps = np.random.default_rng([args.seed, 9]).exponential(1 / args.rate, starts)
+    times = iter(np.cumsum(gaps) if rate_given else np.zeros(starts))
+    cap = args.max_output_tokens
+    out, seen = [], set()
+    for request in chosen:
+        first = args.seed003 or request.session_id not in seen
+        seen.add(request.session_id)
+        tokens = request.max_tokens if cap is None else min(cap, request.max_tokens or cap)
+        out.append(
+            replace(request, arrival=float(next(times)) if first else 0.0, max_tokens=tokens)
+        )
+    return out, what + (f", arriving at {args.rate:g}/s" if rate_given else "")
+
+
 def exact_rate(workload: list[Request], args: argparse.Namespace) -> list[Request]:
     """The workload with its arrivals scaled so the last one comes at N / rate (`--exact-rate`)."""
     if args.arrivals not in ("poisson", "gamma") or args.num_requests is None:
@@ -514,6 +623,12 @@ def parser() -> argparse.ArgumentParser:
         "then vary less from seed to seed",
     )
     arr.add_argument("--seed", type=int, default=0)
+    arr.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="closed loop: at most this many requests in flight, as vllm bench serve's",
+    )
     arr.add_argument("--trace", default="conv", help="code, conv or a CSV path")
     arr.add_argument("--trace-dir", default=str(DEFAULT_TRACE_DIR))
     arr.add_argument("--trace-start", type=float, default=0.0, help="window start, trace s")
@@ -545,6 +660,20 @@ def parser() -> argparse.ArgumentParser:
     con.add_argument("--max-output-tokens", type=int, default=None)
     con.add_argument("--prompts-file", help='JSONL of {"task": ..., "prompt": ...} rows')
     con.add_argument("--sessions", action="store_true", help="multi-turn conversations")
+    con.add_argument(
+        "--conversations",
+        choices=sorted(SHAPES),
+        help="conversations shaped like a published chat dataset, every turn carrying the "
+        "history; each next turn sent when the previous answer ended; their first turns arrive "
+        "at --rate (Poisson), all at once without it",
+    )
+    con.add_argument("--num-conversations", type=int, default=100)
+    con.add_argument(
+        "--seed003",
+        action="store_true",
+        help="seed 003's benchmark requests: 800 prompts cut from sharegpt-16 conversations, "
+        "repeated in shuffled passes to --num-requests (default 8,000), arriving at --rate",
+    )
     con.add_argument("--turns", type=_range, default=(2, 6), help="LO:HI turns per conversation")
     out = p.add_argument_group("output")
     out.add_argument("--config", default=str(DEFAULT_PATH), help="models.yaml, for SLO and reward")
@@ -584,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deployment = load_deployment(args.config, args.deployment)
         if args.requests:
             workload, what = load_requests(args.requests), f"the requests of {args.requests}"
+        elif args.conversations or args.seed003:
+            workload, what = chat_workload(args)
         else:
             spec, what = build_workload(args)
             workload = list(requests(spec, args.seed, args.duration, args.num_requests))
@@ -611,6 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.timeout,
                 args.progress,
                 args.start_at,
+                args.max_concurrency,
+                ordered=args.conversations is not None,
             )
         )
     except (ConnectionError, OSError, StreamError, httpx.TransportError) as exc:
