@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -22,6 +21,7 @@ import numpy as np
 from router.sim import Finished, Simulator
 from router.view import ClusterView
 from workloads import Request
+from workloads.conversations import first_turns
 
 Route = Callable[[Request, ClusterView], int]
 """The replica for a request, given the cluster as it arrives (at the simulator's now)."""
@@ -42,16 +42,7 @@ def run_closed_loop(
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     rng = np.random.default_rng([seed, 7])
-    later: dict[str, deque[Request]] = {}
-    first: list[Request] = []
-    for request in requests:
-        session = request.session_id
-        if ordered and session is not None and session in later:
-            later[session].append(request)
-            continue
-        if ordered and session is not None:
-            later[session] = deque()
-        first.append(request)
+    first, later = first_turns(requests, ordered)
     times = np.zeros(len(first)) if not rate else np.cumsum(rng.exponential(1 / rate, len(first)))
     seq = itertools.count()
     ready = [(float(t), next(seq), r) for t, r in zip(times, first, strict=True)]

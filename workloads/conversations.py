@@ -19,6 +19,7 @@ Two ways to send them:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -160,6 +161,24 @@ def turns(
                 )
             )
     return out
+
+
+def first_turns(
+    requests: Sequence[Request], ordered: bool
+) -> tuple[list[Request], dict[str, deque[Request]]]:
+    """For a closed-loop client: the requests ready by their arrival times, and, with `ordered`,
+    each session's later requests in order, each to be ready when the one before it ends."""
+    later: dict[str, deque[Request]] = {}
+    first: list[Request] = []
+    for request in requests:
+        session = request.session_id
+        if ordered and session is not None and session in later:
+            later[session].append(request)
+            continue
+        if ordered and session is not None:
+            later[session] = deque()
+        first.append(request)
+    return first, later
 
 
 def seed003_prompts(

@@ -47,7 +47,7 @@ from workloads.arrivals import (
     maf1,
 )
 from workloads.chat import ChatResult, chat_h1, chat_h2, chat_h3
-from workloads.conversations import SHAPES, conversations, seed003_prompts, turns
+from workloads.conversations import SHAPES, conversations, first_turns, seed003_prompts, turns
 from workloads.generate import (
     Sessions,
     TaskShape,
@@ -289,18 +289,7 @@ async def closed_loop(
     benchmark counts them, not from a wait for a slot that the client imposed."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {concurrency}")
-    later: dict[str, list[Request]] = {}
-    first: list[Request] = []
-    for request in workload:
-        session = request.session_id
-        if ordered and session is not None and session in later:
-            later[session].append(request)
-        else:
-            if ordered and session is not None:
-                later[session] = []
-            first.append(request)
-    for rest in later.values():
-        rest.reverse()  # popped from the end, in order
+    first, later = first_turns(workload, ordered)
     ready: asyncio.Queue[Request] = asyncio.Queue()
     slots = asyncio.Semaphore(concurrency or len(workload))
     outcomes: list[Outcome] = []
@@ -317,9 +306,9 @@ async def closed_loop(
             outcomes.append(await send(replace(request, arrival=time.perf_counter() - start)))
         finally:
             slots.release()
-            rest = later.get(request.session_id or "") if ordered else None
+            rest = later.get(request.session_id or "")
             if rest:
-                ready.put_nowait(rest.pop())
+                ready.put_nowait(rest.popleft())
 
     arrivals = asyncio.create_task(arrive())
     tasks: set[asyncio.Task[None]] = set()
