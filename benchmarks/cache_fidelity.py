@@ -39,8 +39,7 @@ from experiments.output import write_csv
 from router.kv_cache import KvCache, block_hashes
 from router.sim import Batcher, Job
 from serving.embedded import ensure_built
-from serving.engines.prompts import PromptTokenizer
-from serving.engines.simulated import _load_tokenizer
+from serving.engines.prompts import PromptTokenizer, load_tokenizer
 from workloads import Request
 from workloads.conversations import ChatShape, conversations, turns
 from workloads.generate import filler
@@ -73,7 +72,7 @@ def workload(replica: ReplicaConfig, n: int, seed: int, max_prompt: int) -> list
     """The conversations' turns, interleaved: turn 1 of each, then turn 2 of each, ..."""
     if replica.build is not None:
         ensure_built(replica.source, replica.build)
-    prompts = PromptTokenizer(_load_tokenizer(replica.source), replica)
+    prompts = PromptTokenizer(load_tokenizer(replica.source), replica)
     convs = conversations(LONG_HISTORY, n, seed)
     # The first message becomes a document: a long shared head for every later turn.
     rng = np.random.default_rng([seed, 5])

@@ -12,7 +12,9 @@ Then the prefix-aware policies (`--prefix`, on by default) on seed 003's deploym
 average, counted and hashed before the timing, as the gateway does before it routes): least-load
 as the floor, bounded-load hashing, and the approximate and precise indexes, each warmed first
 (the approximate one by routing every distinct prompt once, the precise one by each prompt's
-blocks stored on a replica drawn at random).
+blocks stored on a replica drawn at random). Apart from them, what counting a prompt's tokens
+and hashing its blocks costs the gateway before it routes (`prompt count`: seed 003's prompts,
+838 tokens on average, each counted afresh).
 
 Then the network-aware DQN against the network-blind one (`--paths`, default `mixed`, on the
 first deployment): the same calls, each timed on both gateways in turn (which goes first
@@ -129,6 +131,32 @@ def measure_prefix(policy_name: str, calls: int, seed: int) -> np.ndarray:
     return times / 1000.0
 
 
+def measure_count(calls: int, seed: int) -> np.ndarray:
+    """Microseconds the gateway takes to count a prompt and hash its blocks before routing
+    (`Gateway._count`: a thread for prompts of over 1,024 characters), on seed 003's prompts."""
+    import asyncio
+
+    from experiments.prefix_aware import QUICK
+    from serving.engines.prompts import gateway_counter
+    from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
+
+    deployment = load_deployment(ROOT / "models.yaml", "seed003-sim")
+    counter = gateway_counter(deployment)
+    assert counter is not None
+    convs = conversations(SHAREGPT_16, QUICK.conversations, seed)
+    prompts = seed003_prompts(convs, QUICK.prompts, QUICK.prompts)
+    times = np.empty(calls)
+
+    async def run() -> None:
+        for i in range(calls):
+            start = time.perf_counter_ns()
+            await counter.count(prompts[i % len(prompts)], 16384)
+            times[i] = time.perf_counter_ns() - start
+
+    asyncio.run(run())
+    return times / 1000.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +190,9 @@ def main() -> int:
     for policy in args.prefix:
         rows.append(_row("seed003-sim", policy, measure_prefix(policy, args.calls, args.seed),
                          args.calls))  # fmt: skip
+    if args.prefix:
+        calls = min(args.calls, 4000)
+        rows.append(_row("seed003-sim", "prompt count", measure_count(calls, args.seed), calls))
     first = args.deployments[0]
     blind, aware = load_deployment(config, first), load_deployment(config, first, args.paths)
     if aware.policy_file == blind.policy_file:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,7 +12,9 @@ from fastapi import FastAPI
 
 from config import Deployment
 from router.policies import make_policy
+from router.prefix import PrefixAffinity
 from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
+from serving.engines.prompts import gateway_counter
 from serving.gateway import Gateway
 from serving.metrics import Metrics
 from serving.outcomes import INVALID
@@ -49,11 +52,19 @@ def build_app(
     if shared_view is not None:
         peers = Peers(shared_view, index, metrics.recent.export)
     policy_ = make_policy(deployment, policy)
+    if isinstance(policy_, PrefixAffinity) and policy_.precise:
+        # The engines that publish their KV events in this process (the twin's) feed the
+        # precise index; vLLM's ZMQ events and the engine host's link do not yet.
+        for index_, replica in enumerate(replicas):
+            publish = getattr(replica.engine, "publish_kv_events", None)
+            if publish is not None:
+                publish(functools.partial(policy_.event, index_))
     gateway = Gateway(deployment, replicas, policy_, metrics, rate=rate, key_accounts=accounts)
     classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway.counter = await asyncio.to_thread(gateway_counter, deployment)
         await replicas.start()
         # Everything built so far (the engines' clients, torch, transformers: hundreds of
         # thousands of objects) lives as long as the server. A full collection scanned it all

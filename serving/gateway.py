@@ -28,6 +28,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
+from serving.engines.prompts import DEFAULT_MAX_MODEL_LEN, PromptCounter
 from serving.key_limits import KeyLimiter, OverLimit, SharedAccounts
 from serving.metrics import Metrics
 from serving.outcomes import RequestRecord
@@ -138,6 +139,12 @@ class Gateway:
         self.rate = rate or ArrivalRateEstimator()
         self.limiter = KeyLimiter(self._limits_of, key_accounts)
         self.admission = admission or admission_for(deployment)
+        self.counter: PromptCounter | None = None
+        """Counts each prompt's tokens and hashes its blocks before admission control and the
+        router see it (`serving.app` loads it as the engines start); None: not counted."""
+        self.max_model_len = max(
+            r.engine_int("max_model_len", DEFAULT_MAX_MODEL_LEN) for r in deployment.replicas
+        )
 
     async def start(
         self,
@@ -178,6 +185,8 @@ class Gateway:
         except OverLimit as over:
             self.metrics.limited.labels(record.tier or "none", over.limit).inc()
             self._refuse(record, model, RateLimited(over))
+        if self.counter is not None:
+            request = await self._count(request, record, model, api_key)
         while True:
             try:
                 self._check(request, model)
@@ -215,6 +224,22 @@ class Gateway:
                 # Nothing started there, so nothing is lost by trying the next choice.
                 log.warning("%s; trying another replica", exc)
                 skipped.add(generation.replica.name)
+
+    async def _count(
+        self, request: Request, record: RequestRecord, model: str, api_key: str | None
+    ) -> Request:
+        """`request` with its prompt's tokens counted and its blocks hashed, once, here: what
+        admission control, the router and a prefix index go on (a simulated engine takes the
+        count as it is). A prompt no model's context could hold is refused (400)."""
+        assert self.counter is not None
+        started = time.perf_counter()
+        try:
+            counted = await self.counter.count(request, self.max_model_len)
+        except InvalidRequest as exc:
+            self.limiter.release(api_key)
+            self._refuse(record, model, BadRequest(exc.message, exc.param, exc.code))
+        self.metrics.prompt_count.observe(time.perf_counter() - started)
+        return counted
 
     def turn_away(
         self, record: RequestRecord, model: str, max_tokens: int | None

@@ -53,6 +53,7 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0)
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0, 4.0, 16.0)
 _ROUTE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 1e-3)
+_COUNT_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0)
 
 REQUESTS = (
@@ -173,6 +174,12 @@ class Metrics:
             "serving_route_seconds",
             "Time the router took to choose a replica: live view, features and policy.",
             buckets=_ROUTE_BUCKETS,
+            registry=own,
+        )
+        self.prompt_count = Histogram(
+            "serving_prompt_count_seconds",
+            "Time the gateway took to count a prompt's tokens and hash its blocks, before routing.",
+            buckets=_COUNT_BUCKETS,
             registry=own,
         )
         self.registry.register(_ReplicaCollector(replicas))

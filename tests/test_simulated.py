@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -348,12 +349,12 @@ def test_the_twin_counts_tokens_as_the_engines_tokenizer_does() -> None:
     from transformers import AutoTokenizer
 
     from serving.embedded import ensure_built
-    from serving.engines.simulated import _load_tokenizer
+    from serving.engines.prompts import load_tokenizer
 
     tiny = load_deployment(name="embedded-sim").replicas[0]
     assert tiny.build is not None
     ensure_built(tiny.source, tiny.build)
-    light, auto = _load_tokenizer(tiny.source), AutoTokenizer.from_pretrained(tiny.source)
+    light, auto = load_tokenizer(tiny.source), AutoTokenizer.from_pretrained(tiny.source)
     assert type(light) is type(auto)
     chat = [{"role": "user", "content": "Héllo, wörld! 123"}, {"role": "assistant", "content": "x"}]
     template = load_deployment(name="embedded-sim").replicas[0].fallback_chat_template
@@ -369,3 +370,77 @@ def test_the_twin_counts_tokens_as_the_engines_tokenizer_does() -> None:
     ]  # fmt: skip
     assert rendered[0] == rendered[1]
     assert len(light) == len(auto) and light.get_vocab() == auto.get_vocab()
+
+
+async def test_the_gateway_counts_a_prompt_once_before_it_routes() -> None:
+    """Admission control, the router and a prefix index see the prompt's real token count and
+    block hashes; the twin takes them as they are; a prompt no context could hold is a 400."""
+    from router.prefix import PrefixAffinity, PrefixIndex
+    from serving.engines.prompts import gateway_counter
+    from serving.gateway import BadRequest
+
+    twin = deployment().with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    seen: list[Request] = []
+    affinity = PrefixAffinity(PrefixIndex(len(twin.replicas)), precise=False)
+
+    class Watching:
+        def choose(self, obs, request, view):  # type: ignore[no-untyped-def]
+            seen.append(request)
+            return affinity.choose(obs, request, view)
+
+    try:
+        gateway = Gateway(twin, replicas, Watching(), Metrics(replicas))
+        gateway.counter = gateway_counter(twin)
+        assert gateway.counter is not None
+        long = "Tell me about the river. " * 80  # 2,000 characters
+        asked = dataclasses.replace(request("long", 4, long), arrival=time.monotonic())
+        generation = await gateway.start(asked, EXACT)
+        async for _ in generation:
+            pass
+        await generation.aclose()
+        (routed,) = seen
+        ids = gateway.counter.prompts.encode(asked)
+        assert routed.prompt_tokens == len(ids) > 100
+        assert routed.blocks is not None and len(routed.blocks) == len(ids) // 128
+        assert generation.prompt_tokens == len(ids), "the twin took the gateway's count"
+        assert len(affinity.index) == len(routed.blocks)
+        huge = dataclasses.replace(request("huge", 4, "x" * 10_000_000), arrival=time.monotonic())
+        with pytest.raises(BadRequest, match="maximum context length"):
+            await gateway.start(huge, EXACT)
+        assert len(seen) == 1, "refused before routing"
+    finally:
+        await replicas.close()
+
+
+async def test_the_twins_kv_events_build_exactly_the_index_its_engines_hold() -> None:
+    from router.prefix import PrefixAffinity, PrefixIndex
+    from serving.engines.prompts import gateway_counter
+
+    twin = deployment().with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    index = PrefixIndex(len(twin.replicas))
+    policy = PrefixAffinity(index, precise=True)
+    for i, replica in enumerate(replicas):
+        replica.engine.publish_kv_events(functools.partial(policy.event, i))  # type: ignore[attr-defined]
+    await replicas.start()
+    try:
+        gateway = Gateway(twin, replicas, policy, Metrics(replicas))
+        gateway.counter = gateway_counter(twin)
+        history = "Tell me about the river and the stone. " * 40
+        for turn in range(6):
+            prompt = (Message("user", history), Message("user", f"and then, part {turn}?"))
+            asked = dataclasses.replace(request(f"t{turn}", 4, prompt), arrival=time.monotonic())
+            generation = await gateway.start(asked, EXACT)
+            async for _ in generation:
+                pass
+            await generation.aclose()
+        held = [replica.engine._batch.kv.hashes() for replica in replicas]  # type: ignore[attr-defined]
+        assert sum(map(len, held)) > 0
+        for i, blocks in enumerate(held):
+            assert index.held_by(i) == blocks
+        # Every turn shares the history: after the first, each went where it was cached.
+        assert sum(1 for blocks in held if blocks) == 1
+    finally:
+        await replicas.close()

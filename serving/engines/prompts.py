@@ -5,13 +5,23 @@ what every engine that tokenises locally (vLLM's, the simulated one) must do ali
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from config import ReplicaConfig
+from config import Deployment, ReplicaConfig
 from router.kv_cache import block_hashes
+from serving.embedded import ensure_built
 from serving.engines.base import InvalidRequest
 from workloads import Message, Request, TokenIds
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""OPT's context, where the deployment's engine_args set no max_model_len."""
 
 # Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
 # 7 ms for 16,000; a thread hop costs about a tenth of a millisecond. Longer prompts go to a thread.
@@ -101,6 +111,12 @@ class PromptCounter:
         self.hash_block = hash_block
         self._seen: dict[object, tuple[int, tuple[int, ...]]] | None = {} if remember else None
 
+    async def count(self, request: Request, max_model_len: int) -> Request:
+        """`counted`, as an engine tokenises: a long prompt in a thread, an absurd one refused
+        (InvalidRequest, a 400) before any tokenising (`PromptTokenizer.ids`)."""
+        ids = await self.prompts.ids(request, max_model_len)
+        return replace(request, prompt_tokens=len(ids), blocks=block_hashes(ids, self.hash_block))
+
     def counted(self, request: Request) -> Request:
         seen = self._seen
         got = seen.get(request.prompt) if seen is not None else None
@@ -116,6 +132,47 @@ class PromptCounter:
 
     def text(self, text: str) -> int:
         return len(self.prompts.tokenizer.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer(source: str, local_only: bool = False) -> Any:
+    """`source`'s tokenizer, as vLLM would load it (AutoTokenizer), but without importing torch
+    where the files allow: transformers 5's AutoTokenizer imports torch (and with it triton),
+    5.6 s of a twin's 7 s start on this 2-core machine, though counting tokens needs neither.
+    A tokenizer saved as the plain tokenizers backend (the embedded models' are) is loaded as
+    that class directly, in 0.9 s; any other goes through AutoTokenizer (`local_only`: from
+    files already here, never downloading)."""
+    config = Path(source) / "tokenizer_config.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(source)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+
+
+def gateway_counter(deployment: Deployment) -> PromptCounter | None:
+    """What the gateway counts prompts with before it routes: the tokenizer the simulated
+    engines count with, else the first replica's model's, where its files are here (a local
+    model, or one already in the Hugging Face cache: a gateway never downloads). None, logged,
+    where there is none: requests then go unrouted by their length, as before."""
+    simulation = deployment.simulation
+    if simulation is not None and simulation.tokenizer_source is not None:
+        source, build = simulation.tokenizer_source, simulation.tokenizer_build
+    else:
+        first = deployment.replicas[0]
+        source, build = first.source, first.build
+    try:
+        if build is not None:
+            ensure_built(source, build)
+        tokenizer = load_tokenizer(source, local_only=True)
+    except (OSError, ValueError) as exc:
+        log.warning("prompts are not counted before routing: no tokenizer of %s here (%s)",
+                    source, exc)  # fmt: skip
+        return None
+    hash_block = min(r.block_size for r in deployment.replicas)
+    return PromptCounter(PromptTokenizer(tokenizer, deployment.replicas[0]), hash_block)
 
 
 def output_budget(request: Request, prompt_tokens: int, max_model_len: int) -> int:

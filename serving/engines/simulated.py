@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from config import Deployment, ReplicaConfig
@@ -45,13 +43,16 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from serving.engines.prompts import PromptTokenizer, output_budget
+from serving.engines.prompts import (
+    DEFAULT_MAX_MODEL_LEN,
+    PromptTokenizer,
+    load_tokenizer,
+    output_budget,
+)
 from workloads import Request
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 2048
-"""OPT's context, where the deployment's engine_args set no max_model_len."""
 
 _VOCABULARY = (
     "the a model of token time queue batch step answer light river stone cloud road small large "
@@ -114,25 +115,8 @@ class SimulatedCluster:
             if source not in self._tokenizers:
                 if build is not None:
                     ensure_built(source, build)
-                self._tokenizers[source] = _load_tokenizer(source)
+                self._tokenizers[source] = load_tokenizer(source)
             return self._tokenizers[source]
-
-
-def _load_tokenizer(source: str) -> Any:
-    """`source`'s tokenizer, as vLLM would load it (AutoTokenizer), but without importing torch
-    where the files allow: transformers 5's AutoTokenizer imports torch (and with it triton),
-    5.6 s of a twin's 7 s start on this 2-core machine, though counting tokens needs neither.
-    A tokenizer saved as the plain tokenizers backend (the embedded models' are) is loaded as
-    that class directly, in 0.9 s; any other goes through AutoTokenizer."""
-    config = Path(source) / "tokenizer_config.json"
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-            return TokenizersBackend.from_pretrained(source)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source)
 
 
 class SimulatedEngine:
@@ -178,6 +162,12 @@ class SimulatedEngine:
             self._death = asyncio.get_running_loop().call_later(max(0.0, due), self._die)
         log.info("%s: simulated, %d slots", self.config.name, self._batch.max_batch)
 
+    def publish_kv_events(self, hear: Callable[[str, list[int]], None]) -> None:
+        """Tell `hear` every block its cache stores and removes, as vLLM publishes them
+        (BlockStored, BlockRemoved) to a KV-aware router; nothing where it keeps no cache."""
+        if self._batch.kv is not None:
+            self._batch.kv.on_event = hear
+
     def healthy(self) -> bool:
         task = self._loop_task
         # A task cancelled by `_die` is down at once, not only when the cancellation lands.
@@ -198,16 +188,21 @@ class SimulatedEngine:
                 "log-probabilities; pin a model served by vLLM.",
                 param="logprobs",
             )
-        ids = await self._prompts.ids(request, self.max_model_len)
-        prompt_tokens = len(ids)
+        echo = None
+        blocks: tuple[int, ...] | None
+        if request.blocks is not None and request.prompt_tokens is not None and not sampling.echo:
+            # Counted by the gateway, with this deployment's tokenizer: not again here.
+            prompt_tokens, blocks = request.prompt_tokens, request.blocks
+        else:
+            ids = await self._prompts.ids(request, self.max_model_len)
+            prompt_tokens, blocks = len(ids), request.blocks
+            if blocks is None and self._batch.kv is not None:
+                blocks = block_hashes(ids, self.cluster.hash_block)
+            echo = self._prompts.text(request, ids) if sampling.echo else None
         tokens = output_budget(request, prompt_tokens, self.max_model_len)
-        blocks = request.blocks
-        if blocks is None and self._batch.kv is not None:
-            blocks = block_hashes(ids, self.cluster.hash_block)
         stream = self._admit(
             replace(request, prompt_tokens=prompt_tokens, blocks=blocks), tokens, sampling
         )
-        echo = self._prompts.text(request, ids) if sampling.echo else None
         try:
             while True:
                 await stream.ready.wait()
