@@ -39,15 +39,19 @@ from config import Deployment, load, load_deployment
 from config.deployment import GIB
 from config.schema import ProfileModel
 from experiments.output import write_csv
-from router.closed_loop import run_closed_loop
+from router.admission import admission_for
+from router.closed_loop import Route, run_closed_loop
+from router.evaluate import mean_reward
+from router.features import ArrivalRateEstimator
 from router.kv_cache import KvCache
-from router.policies import Policy, make_policy
-from router.prefix import PrefixAffinity
-from router.sim import Finished, Simulator, step_time
+from router.policies import Policy, encoder_for, make_policy
+from router.prefix import ModelThenReplica, PrefixAffinity
+from router.sim import SHED, Finished, Simulator, step_time
+from router.view import ClusterView
 from serving.engines.prompts import PromptCounter, PromptTokenizer
 from serving.engines.simulated import SimulatedCluster
 from workloads import Request
-from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
+from workloads.conversations import LMSYS_CHAT, SHAREGPT_16, conversations, seed003_prompts, turns
 
 DEPLOYMENT = "seed003-sim"
 POLICIES = (
@@ -209,6 +213,129 @@ def run_table(
     return rows
 
 
+# With the learned router on paper-4gpu -------------------------------------------------------
+
+PAPER = "paper-4gpu-sim"
+PAPER_POLICIES = ("dqn", "prefix-hash", "prefix-precise", "dqn+prefix-hash", "dqn+prefix-precise")
+PAPER_RATES = (4.0, 16.0, 48.0)
+
+
+def paper_requests(count: PromptCounter, rate: float, duration: float, seed: int) -> list[Request]:
+    """LMSYS-Chat-shaped conversations, their first turns arriving at rate / 2 (a conversation
+    has 2.0 turns on average), so that turns come at about `rate`, for `duration` seconds; each
+    next turn goes out when its previous answer ended. Classes drawn as in training."""
+    n = max(1, int(rate / LMSYS_CHAT.mean_turns * duration))
+    convs = conversations(LMSYS_CHAT, n, seed)
+    rng = np.random.default_rng([seed, 13])
+    starts = np.cumsum(rng.exponential(LMSYS_CHAT.mean_turns / rate, n))
+    out = []
+    for conv, start in zip(convs, starts, strict=True):
+        qos_class = str(rng.choice(["real-time", "free-tier", "long"]))
+        for k, r in enumerate(turns([conv], qos_class, count, max_prompt_tokens=1536)):
+            out.append(count.counted(replace(r, arrival=float(start) if k == 0 else 0.0,
+                                             max_tokens=min(r.max_tokens or 1, 512))))  # fmt: skip
+    return out
+
+
+def paper_route(deployment: Deployment, name: str) -> Callable[[], Route]:
+    """A fresh router for one run: admission control (the deployment's rule), the arrival rate
+    estimate and the features, then the policy, as the gateway routes; "dqn+X": the DQN
+    chooses the model and X the replica (`ModelThenReplica`)."""
+
+    def make() -> Route:
+        first, _, second = name.partition("+")
+        chooser: Policy = make_policy(deployment, first)
+        encoder = encoder_for(chooser, deployment)
+        policy = ModelThenReplica(chooser, make_policy(deployment, second)) if second else chooser
+        admission = admission_for(deployment)
+        rate = ArrivalRateEstimator()
+
+        def route(request: Request, view: ClusterView) -> int | None:
+            observed = rate.observe(request.arrival)
+            admitted = admission.check(request, view, request.arrival)
+            if not isinstance(admitted, ClusterView):
+                return None
+            obs = encoder.encode(admitted, request, observed)
+            return admitted.replica_for(policy.choose(obs, request, admitted))
+
+        route.policy = policy  # type: ignore[attr-defined]
+        return route
+
+    return make
+
+
+def run_paper(
+    seeds: Sequence[int], rates: Sequence[float], policies: Sequence[str], duration: float,
+    progress: Callable[[], object] = lambda: None,
+) -> list[dict]:  # fmt: skip
+    deployment = load_deployment(name=PAPER)
+    count = counter(deployment)
+    rows = []
+    for seed, rate in itertools.product(seeds, rates):
+        requests = paper_requests(count, rate, duration, seed)
+        for name in policies:
+            route = paper_route(deployment, name)()
+            policy = route.policy  # type: ignore[attr-defined]
+            replica_policy = (
+                policy.replica_policy if isinstance(policy, ModelThenReplica) else policy
+            )
+            hear = None
+            if isinstance(replica_policy, PrefixAffinity) and replica_policy.precise:
+                hear = replica_policy.event
+            sim = Simulator.from_deployment(deployment, on_kv_event=hear)
+            done = run_closed_loop(sim, route, requests, len(requests), None, seed, ordered=True)
+            ttft = [f.first_token - f.arrival for f in done if f.first_token is not None]
+            batches = [r.batch for r in sim.replicas]
+            rows.append({
+                "policy": name, "rate": rate, "seed": seed, "requests": len(done),
+                "mean_reward": mean_reward(deployment, done),
+                "mean_ttft_ms": 1000 * float(np.mean(ttft)) if ttft else float("nan"),
+                "shed": sum(f.outcome == SHED for f in done) / len(done),
+                "hit_rate": sum(b.hit_tokens for b in batches)
+                / max(1, sum(b.prompt_tokens for b in batches)),
+            })  # fmt: skip
+            progress()
+    return rows
+
+
+def print_paper(rows: Sequence[dict]) -> None:
+    """Mean reward and TTFT per policy and rate, with 95% intervals over seeds, and the paired
+    differences of DQN + prefix placement against the DQN alone and prefix-hash alone."""
+    from scipy import stats
+
+    def ci(values: Sequence[float]) -> tuple[float, float]:
+        mean = float(np.mean(values))
+        if len(values) < 2:
+            return mean, float("nan")
+        half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+        return mean, float(half)
+
+    rates = sorted({r["rate"] for r in rows})
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    print(f"{'policy':>20} " + " ".join(f"{f'{rate:g} req/s reward':>22} {'TTFT ms':>8} {'hits':>5}"
+                                         for rate in rates))  # fmt: skip
+    for name in names:
+        cells = []
+        for rate in rates:
+            mine = [r for r in rows if r["policy"] == name and r["rate"] == rate]
+            mean, half = ci([r["mean_reward"] for r in mine])
+            ttft = np.mean([r["mean_ttft_ms"] for r in mine])
+            hits = np.mean([r["hit_rate"] for r in mine])
+            cells.append(f"{mean:>13.4f} ± {half:<6.4f} {ttft:>8.0f} {hits:>5.2f}")
+        print(f"{name:>20} " + " ".join(cells))
+    for combined in (n for n in names if "+" in n):
+        for other in ("dqn", combined.partition("+")[2]):
+            if other not in names:
+                continue
+            for rate in rates:
+                pairs = {(r["seed"]): r["mean_reward"] for r in rows
+                         if r["policy"] == combined and r["rate"] == rate}  # fmt: skip
+                base = {(r["seed"]): r["mean_reward"] for r in rows
+                        if r["policy"] == other and r["rate"] == rate}  # fmt: skip
+                diff, half = ci([pairs[s] - base[s] for s in pairs])
+                print(f"{combined} against {other} at {rate:g} req/s: {diff:+.4f} ± {half:.4f}")
+
+
 # Calibration -----------------------------------------------------------------------------------
 
 RESERVES_GIB = (2.0, 8.0, 9.0, 9.5, 10.0, 10.5)
@@ -351,11 +478,27 @@ def main() -> int:
     parser.add_argument(
         "--runs", help="concurrency:rate pairs instead of the seed's four, e.g. 8000:74"
     )
+    parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="the DQN with prefix placement on paper-4gpu-sim, on LMSYS-shaped conversations",
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="with --paper")
+    parser.add_argument("--duration", type=float, default=60.0, help="with --paper, s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", type=Path, default=Path("results/prefix_aware"))
     args = parser.parse_args()
     from tqdm import tqdm
 
+    if args.paper:
+        policies = args.policies if args.policies != list(POLICIES) else list(PAPER_POLICIES)
+        total = args.seeds * len(PAPER_RATES) * len(policies)
+        duration = args.duration / 4 if args.quick else args.duration
+        with tqdm(total=total, desc="paper-4gpu runs", file=sys.stderr) as bar:
+            rows = run_paper(range(args.seeds), PAPER_RATES, policies, duration, bar.update)
+        write_csv(args.results / "paper.csv", rows)
+        print_paper(rows)
+        return 0
     scale = QUICK if args.quick else FULL
     if args.runs:
         runs = tuple((int(c), float(r)) for c, r in (p.split(":") for p in args.runs.split(",")))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -23,8 +24,9 @@ from router.view import ClusterView
 from workloads import Request
 from workloads.conversations import first_turns
 
-Route = Callable[[Request, ClusterView], int]
-"""The replica for a request, given the cluster as it arrives (at the simulator's now)."""
+Route = Callable[[Request, ClusterView], int | None]
+"""The replica for a request, given the cluster as it arrives (at the simulator's now); None:
+admission control refused it (it ends at once, shed, and a conversation goes on)."""
 
 
 def run_closed_loop(
@@ -53,7 +55,12 @@ def run_closed_loop(
         if in_flight < concurrency and ready and ready[0][0] <= sim.now:
             _, _, request = heapq.heappop(ready)
             request = replace(request, arrival=sim.now)
-            sim.submit(request, route(request, sim.view()))
+            replica = route(request, sim.view())
+            if replica is None:
+                finished.append(Finished.shed(request))
+                _next_turn(later, request, ready, sim.now, seq)
+                continue
+            sim.submit(request, replica)
             in_flight += 1
             continue
         due = ready[0][0] if ready and in_flight < concurrency else float("inf")
@@ -65,9 +72,20 @@ def run_closed_loop(
         in_flight -= len(done)
         finished += done
         for f in done:
-            queue = later.get(f.request.session_id or "")
-            if queue:
-                heapq.heappush(ready, (sim.now, next(seq), queue.popleft()))
+            _next_turn(later, f.request, ready, sim.now, seq)
         if progress is not None and done:
             progress(len(done))
     return finished
+
+
+def _next_turn(
+    later: dict[str, deque[Request]],
+    ended: Request,
+    ready: list[tuple[float, int, Request]],
+    now: float,
+    seq: itertools.count[int],
+) -> None:
+    """`ended`'s session's next turn, if it has one, is ready now."""
+    queue = later.get(ended.session_id or "")
+    if queue:
+        heapq.heappush(ready, (now, next(seq), queue.popleft()))

@@ -227,3 +227,24 @@ def test_the_seed003_experiment_puts_prefix_routing_far_ahead_of_round_robin() -
                                               scale, seed=0)}  # fmt: skip
     assert rows["prefix-precise"]["hit_rate"] > rows["round-robin"]["hit_rate"]
     assert rows["prefix-precise"]["mean_ttft_ms"] * 3 < rows["round-robin"]["mean_ttft_ms"]
+
+
+def test_a_request_admission_refuses_ends_shed_and_its_conversation_goes_on() -> None:
+    convs = conversations(SHAREGPT_16, 3, seed=2)
+    requests = [replace(r, max_tokens=4) for r in turns(convs)]
+    sim = _sim(2)
+    refused = {requests[0].request_id}
+    done = run_closed_loop(
+        sim, lambda r, v: None if r.request_id in refused else 0, requests, 2, ordered=True
+    )
+    assert len(done) == len(requests)
+    assert [f.outcome for f in done if f.request.request_id in refused] == ["shed"]
+
+
+def test_the_dqn_chooses_the_model_and_prefix_placement_the_replica() -> None:
+    from experiments.prefix_aware import run_paper
+
+    rows = run_paper([0], [4.0], ["dqn", "dqn+prefix-precise"], duration=8.0)
+    assert [r["policy"] for r in rows] == ["dqn", "dqn+prefix-precise"]
+    assert all(r["requests"] > 5 and 0 < r["mean_reward"] <= 1 for r in rows)
+    assert rows[1]["hit_rate"] > 0
