@@ -30,6 +30,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -99,23 +100,29 @@ def measure(deployments: list[Deployment], policy_name: str, calls: int, seed: i
     return times / 1000.0
 
 
-def measure_prefix(policy_name: str, calls: int, seed: int) -> np.ndarray:
-    """Microseconds of each prefix-aware decision on seed 003's deployment (module docstring)."""
+def measure_prefix(
+    policy_name: str, calls: int, seed: int, deployment_name: str = "seed003-sim"
+) -> np.ndarray:
+    """Microseconds of each prefix-aware decision on `deployment_name` (module docstring)."""
     from experiments.prefix_aware import QUICK, counter, seed_requests
-    from router.prefix import PrefixAffinity
+    from router.prefix import ModelThenReplica, PrefixAffinity
 
-    deployment = load_deployment(ROOT / "models.yaml", "seed003-sim")
+    deployment = load_deployment(ROOT / "models.yaml", deployment_name)
     gateway, replicas = _gateway(deployment, policy_name)
     requests = seed_requests(counter(deployment), QUICK, seed, uneven=False)
+    requests = [replace(r, task=deployment.tasks[i % len(deployment.tasks)])
+                for i, r in enumerate(requests)]  # fmt: skip
     rng = np.random.default_rng(seed)
     policy = gateway.policy
+    if isinstance(policy, ModelThenReplica):
+        policy = policy.replica_policy
     distinct = {r.prompt: r for r in requests}.values()
     for request in distinct:
         if isinstance(policy, PrefixAffinity) and policy.precise:
             policy.event(int(rng.integers(len(replicas))), "stored", request.blocks or ())
         else:
             gateway._route(request, AUTO, 50.0, replicas.view(None))
-    loads = rng.integers(0, 256, size=(calls, len(deployment.replicas)))
+    loads = rng.integers(0, 24, size=(calls, len(deployment.replicas)))
     times = np.empty(calls)
     gc.disable()
     try:
@@ -191,6 +198,10 @@ def main() -> int:
         rows.append(_row("seed003-sim", policy, measure_prefix(policy, args.calls, args.seed),
                          args.calls))  # fmt: skip
     if args.prefix:
+        # The DQN with and without prefix placement, on the same prompts, in this one run.
+        for policy in ("dqn", "dqn+prefix-precise"):
+            us = measure_prefix(policy, args.calls, args.seed, "paper-4gpu-sim")
+            rows.append(_row("paper-4gpu-sim", policy, us, args.calls))
         calls = min(args.calls, 4000)
         rows.append(_row("seed003-sim", "prompt count", measure_count(calls, args.seed), calls))
     first = args.deployments[0]

@@ -243,10 +243,8 @@ def paper_route(deployment: Deployment, name: str) -> Callable[[], Route]:
     chooses the model and X the replica (`ModelThenReplica`)."""
 
     def make() -> Route:
-        first, _, second = name.partition("+")
-        chooser: Policy = make_policy(deployment, first)
-        encoder = encoder_for(chooser, deployment)
-        policy = ModelThenReplica(chooser, make_policy(deployment, second)) if second else chooser
+        policy = make_policy(deployment, name)
+        encoder = encoder_for(policy, deployment)
         admission = admission_for(deployment)
         rate = ArrivalRateEstimator()
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from config import Deployment
 from router.features import FeatureEncoder
-from router.prefix import PrefixAffinity, PrefixHash, PrefixIndex
+from router.prefix import ModelThenReplica, PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
 from workloads import Request
 
@@ -302,7 +302,12 @@ def approximate_index(deployment: Deployment) -> PrefixIndex:
 
 
 def make_policy(deployment: Deployment, name: str | None = None) -> Policy:
+    """The policy `name` (default: the deployment's); "A+B": A chooses the model, B that
+    model's replica (`router.prefix.ModelThenReplica`), e.g. "dqn+prefix-precise"."""
     name = name or deployment.policy.name
+    first, plus, second = name.partition("+")
+    if plus:
+        return ModelThenReplica(make_policy(deployment, first), make_policy(deployment, second))
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
     return POLICIES[name](deployment)

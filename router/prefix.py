@@ -105,8 +105,11 @@ class PrefixHash:
         first = next((m.content for m in request.prompt if m.role == "user"), "")
         return first[: self.prefix_chars]
 
-    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        model = model_for(request, view, self.quality)
+    def choose(
+        self, obs: np.ndarray, request: Request, view: ClusterView, model: str | None = None
+    ) -> int:
+        """`model`: route among its replicas (default: `model_for`'s choice)."""
+        model = model or model_for(request, view, self.quality)
         _, bound = within_bound(view, model, self.load_factor)
         hashes, owners = self._rings[model if model in self._rings else ""]
         start = bisect.bisect(hashes, xxhash.xxh64_intdigest(self.key(request).encode()))
@@ -230,8 +233,11 @@ class PrefixAffinity:
         if self.pending is not None and kind != REMOVED:
             self.pending.event(replica, REMOVED, blocks)
 
-    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        model = model_for(request, view, self.quality)
+    def choose(
+        self, obs: np.ndarray, request: Request, view: ClusterView, model: str | None = None
+    ) -> int:
+        """`model`: route among its replicas (default: `model_for`'s choice)."""
+        model = model or model_for(request, view, self.quality)
         mine, bound = within_bound(view, model, self.load_factor)
         replicas = view.replicas
         fits = [i for i in mine if replicas[i].running + 1 <= bound]
@@ -240,8 +246,8 @@ class PrefixAffinity:
         best = max(fits, key=lambda i: (depth[i], -replicas[i].running))
         if self.pending is None:
             self.index.routed(best, blocks)
-        elif blocks:  # what the engine does not hold yet
-            self.pending.routed(best, blocks[self.index.match(blocks, [best])[best] :])
+        elif blocks:  # what neither the engine nor an earlier sending holds yet
+            self.pending.routed(best, blocks[depth[best] :])
         return best
 
 
@@ -251,8 +257,12 @@ class ModelThenReplica:
     def __init__(self, model_policy: Policy, replica_policy: Policy) -> None:
         self.model_policy = model_policy
         self.replica_policy = replica_policy
+        self.encoder = getattr(model_policy, "encoder", None)
+        """The model policy's observation layout, where it brings one (a trained DQN)."""
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
         model = view.replicas[self.model_policy.choose(obs, request, view)].model
+        if isinstance(self.replica_policy, PrefixAffinity | PrefixHash):
+            return self.replica_policy.choose(obs, request, view, model)
         only = view.only([r.model == model for r in view.replicas])
         return self.replica_policy.choose(obs, request, only)

@@ -20,6 +20,16 @@ from transport.server import DualServer, Listen, serve_forever
 from transport.workers import supervise
 
 
+def _policy_name(name: str) -> str:
+    """A policy name, or two joined by +, each a known one."""
+    unknown = [part for part in name.split("+") if part not in POLICIES]
+    if unknown or name.count("+") > 1:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))}, or A+B)"
+        )
+    return name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
     add_server_arguments(parser, tcp_port=8000, udp_port=8443)
@@ -29,7 +39,12 @@ def main() -> int:
         help="reset a response stream when its class deadline passes (default: the deadline "
         "only orders streams; the gateway already enforces it up to the first token)",
     )
-    parser.add_argument("--policy", choices=sorted(POLICIES), help="override the deployment's")
+    parser.add_argument(
+        "--policy",
+        type=_policy_name,
+        help="override the deployment's: one of " + ", ".join(sorted(POLICIES)) + ", or A+B "
+        "(A chooses the model, B its replica: dqn+prefix-precise)",
+    )
     parser.add_argument(
         "--paths",
         metavar="MIX",
