@@ -27,6 +27,7 @@ their difference, which issue 17 holds to 10 us.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import sys
 import time
@@ -37,12 +38,15 @@ import numpy as np
 
 from config import Deployment, load_deployment
 from experiments.output import write_csv
+from experiments.prefix_aware import Scale, counter, seed_requests
 from router.paths import estimate_of
 from router.policies import make_policy
+from router.prefix import ModelThenReplica, PrefixAffinity
 from serving.gateway import AUTO, Gateway
 from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
 from workloads import Message, Request
+from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,18 +104,26 @@ def measure(deployments: list[Deployment], policy_name: str, calls: int, seed: i
     return times / 1000.0
 
 
+PROMPTS = Scale(conversations=40, prompts=200, requests=2000, runs=())
+"""Seed 003's recipe at a quarter of its distinct prompts: what the prefix rows route."""
+
+
+@functools.cache
+def _seed_prompts(deployment_name: str, seed: int) -> list[Request]:
+    """Seed 003's prompts, counted and hashed for `deployment_name`, each with a task."""
+    deployment = load_deployment(ROOT / "models.yaml", deployment_name)
+    requests = seed_requests(counter(deployment), PROMPTS, seed, uneven=False)
+    tasks = deployment.tasks
+    return [replace(r, task=tasks[i % len(tasks)]) for i, r in enumerate(requests)]
+
+
 def measure_prefix(
     policy_name: str, calls: int, seed: int, deployment_name: str = "seed003-sim"
 ) -> np.ndarray:
     """Microseconds of each prefix-aware decision on `deployment_name` (module docstring)."""
-    from experiments.prefix_aware import QUICK, counter, seed_requests
-    from router.prefix import ModelThenReplica, PrefixAffinity
-
     deployment = load_deployment(ROOT / "models.yaml", deployment_name)
     gateway, replicas = _gateway(deployment, policy_name)
-    requests = seed_requests(counter(deployment), QUICK, seed, uneven=False)
-    requests = [replace(r, task=deployment.tasks[i % len(deployment.tasks)])
-                for i, r in enumerate(requests)]  # fmt: skip
+    requests = _seed_prompts(deployment_name, seed)
     rng = np.random.default_rng(seed)
     policy = gateway.policy
     if isinstance(policy, ModelThenReplica):
@@ -143,15 +155,13 @@ def measure_count(calls: int, seed: int) -> np.ndarray:
     (`Gateway._count`: a thread for prompts of over 1,024 characters), on seed 003's prompts."""
     import asyncio
 
-    from experiments.prefix_aware import QUICK
     from serving.engines.prompts import gateway_counter
-    from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
 
     deployment = load_deployment(ROOT / "models.yaml", "seed003-sim")
     counter = gateway_counter(deployment)
     assert counter is not None
-    convs = conversations(SHAREGPT_16, QUICK.conversations, seed)
-    prompts = seed003_prompts(convs, QUICK.prompts, QUICK.prompts)
+    convs = conversations(SHAREGPT_16, PROMPTS.conversations, seed)
+    prompts = seed003_prompts(convs, PROMPTS.prompts, PROMPTS.prompts)
     times = np.empty(calls)
 
     async def run() -> None:

@@ -162,6 +162,12 @@ class Deployment:
         """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
         return self.engine_arg("max_num_seqs")
 
+    @property
+    def hash_block(self) -> int:
+        """The block size prompts' hashes are cut at (`Request.blocks`): the smallest KV block
+        of its replicas, which every larger one of theirs is a multiple of."""
+        return min(r.block_size for r in self.replicas)
+
     def engine_arg(self, name: str) -> int | None:
         """An integer vLLM argument where every replica has the same one."""
         values = {r.engine_args.get(name) for r in self.replicas}

@@ -25,7 +25,6 @@ Writes results/prefix_aware/seed.csv (and .png), or uneven.csv, or calibration.c
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import math
 import sys
@@ -35,21 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from config import Deployment, load, load_deployment
-from config.deployment import GIB
-from config.schema import ProfileModel
+from config import Deployment, load, load_deployment, resolve
 from experiments.output import write_csv
 from router.admission import admission_for
 from router.closed_loop import Route, run_closed_loop
 from router.evaluate import mean_reward
 from router.features import ArrivalRateEstimator
-from router.kv_cache import KvCache
 from router.policies import Policy, encoder_for, make_policy
 from router.prefix import ModelThenReplica, PrefixAffinity
-from router.sim import SHED, Finished, Simulator, step_time
+from router.sim import SHED, Finished, Simulator
 from router.view import ClusterView
-from serving.engines.prompts import PromptCounter, PromptTokenizer
-from serving.engines.simulated import SimulatedCluster
+from serving.engines.prompts import PromptCounter, gateway_counter
 from workloads import Request
 from workloads.conversations import LMSYS_CHAT, SHAREGPT_16, conversations, seed003_prompts, turns
 
@@ -80,18 +75,17 @@ class Scale:
 
 
 FULL = Scale(conversations=150, prompts=800, requests=8000, runs=RUNS)
-QUICK = Scale(
-    conversations=40, prompts=200, requests=2000, runs=tuple((c // 4, r / 4) for c, r in RUNS)
-)
+QUICK = Scale(conversations=150, prompts=800, requests=2000, runs=RUNS)
+"""A quarter of the requests, at the seed's concurrency and rates."""
 
 
 def counter(deployment: Deployment) -> PromptCounter:
-    """Counts as the twin's gateway does: the deployment's tokenizer and chat template, blocks
-    hashed at its smallest KV block."""
-    cluster = SimulatedCluster(deployment)
-    first = deployment.replicas[0]
-    prompts = PromptTokenizer(cluster.tokenizer(first), first)
-    return PromptCounter(prompts, cluster.hash_block, remember=True)
+    """Counts as the twin's gateway does (`gateway_counter`), remembering each distinct
+    prompt's count: the seed's benchmark repeats its prompts ten times."""
+    count = gateway_counter(deployment, remember=True)
+    if count is None:
+        raise ValueError(f"deployment {deployment.name}: no tokenizer here to count prompts with")
+    return count
 
 
 def seed_requests(count: PromptCounter, scale: Scale, seed: int, uneven: bool) -> list[Request]:
@@ -105,18 +99,16 @@ def seed_requests(count: PromptCounter, scale: Scale, seed: int, uneven: bool) -
 def zipf_draws(requests: Sequence[Request], n: int, seed: int, s: float = 1.1) -> list[Request]:
     """`n` requests drawn from the distinct prompts of `requests`, a conversation by Zipf
     popularity (exponent `s`), then one of its prompts uniformly."""
-    by_session: dict[str, list[Request]] = {}
-    for r in requests:
-        by_session.setdefault(r.session_id or "", [])
-        if r.prompt not in (p.prompt for p in by_session[r.session_id or ""]):
-            by_session[r.session_id or ""].append(r)
+    by_session: dict[str, dict[object, Request]] = {}
+    for r in requests:  # each distinct prompt once
+        by_session.setdefault(r.session_id or "", {}).setdefault(r.prompt, r)
     sessions = list(by_session)
     rng = np.random.default_rng([seed, 11])
     weights = 1 / np.arange(1, len(sessions) + 1) ** s
     picks = rng.choice(len(sessions), size=n, p=weights / weights.sum())
     out = []
     for i, k in enumerate(picks):
-        pool = by_session[sessions[k]]
+        pool = list(by_session[sessions[k]].values())
         out.append(replace(pool[int(rng.integers(len(pool)))], request_id=f"z{i}"))
     return out
 
@@ -128,14 +120,12 @@ def simulate(
     concurrency: int,
     rate: float,
     seed: int,
-    profile: ProfileModel | None = None,
-    kv_tokens: int | None = None,
     routers: int = 1,
 ) -> tuple[list[Finished], Simulator]:
-    """One run: `policy_name` over `requests` on a fresh simulator, without deadlines.
-    `profile` and `kv_tokens` replace the deployment's (for calibration). With `routers`,
-    requests take turns among that many routers, each with its own policy (front-end workers
-    that do not share their indexes); every precise one hears every engine's events."""
+    """One run: `policy_name` over `requests` on a fresh simulator, without deadlines. With
+    `routers`, requests take turns among that many routers, each with its own policy
+    (front-end workers that do not share their indexes); every precise one hears every
+    engine's events."""
     policies: list[Policy] = [make_policy(deployment, policy_name) for _ in range(routers)]
     precise = [p for p in policies if isinstance(p, PrefixAffinity) and p.precise]
     hear = None
@@ -146,15 +136,6 @@ def simulate(
                 p.event(replica, kind, blocks)
 
     sim = Simulator.from_deployment(deployment, deadlines={}, on_kv_event=hear)
-    if profile is not None:  # one model: every replica takes the replacement
-        for r in sim.replicas:
-            r.batch.profile = profile
-            r.batch.steps = [step_time(profile, b) for b in range(r.batch.max_batch + 1)]
-    if kv_tokens is not None:
-        for index, r in enumerate(sim.replicas):
-            assert r.batch.kv is not None
-            tell = functools.partial(hear, index) if hear is not None else None
-            r.batch.kv = KvCache(kv_tokens // r.batch.kv.block_size, r.batch.kv.block_size, tell)
     obs = np.zeros(1, dtype=np.float32)
     turn = itertools.count()
     done = run_closed_loop(
@@ -352,28 +333,28 @@ def calibrate(
     (how much of the device's memory share holds no KV cache), prefill per token and a scale on
     the derived step times, scored by the squared log error of round-robin's mean TTFT and
     duration at the seed's four runs. The prefix-aware rows are not looked at."""
-    assert deployment.profile is not None
+    spec = load()
+    name = deployment.name
+    profile_name = spec.deployments[name].profile
+    assert profile_name is not None
+    base = spec.profiles[profile_name]
     model = deployment.models[0]
-    base = deployment.profile.models[model]
-    replica = deployment.replicas[0]
-    share = (replica.memory_fraction or 1.0) * (deployment.profile.device_memory_gib or 0.0)
-    shape = load().models[model].model_shape()
-    assert shape is not None
     rows = []
     for reserve, prefill_ms, step in itertools.product(RESERVES_GIB, PREFILL_MS, STEP_SCALES):
-        room = share * GIB - shape.weights_bytes - reserve * GIB
-        tokens = int(room // shape.kv_bytes_per_token) // replica.block_size * replica.block_size
-        profile = base.model_copy(
-            update={
-                "prefill_s_per_token": prefill_ms / 1000,
-                "step_s": {b: t * step for b, t in base.step_s.items()},
-            }
+        steps = {b: t * step for b, t in base.models[model].step_s.items()}
+        timing = base.models[model].model_copy(
+            update={"prefill_s_per_token": prefill_ms / 1000, "step_s": steps}
         )
+        profile = base.model_copy(update={"reserved_gib": reserve, "models": {model: timing}})
+        # Resolved as models.yaml would be with this profile: its KV capacity comes out of
+        # config's own rule (`config.deployment.kv_capacity`).
+        fitted = resolve(
+            spec.model_copy(update={"profiles": {**spec.profiles, profile_name: profile}}), name
+        )
+        tokens = fitted.replicas[0].kv_tokens
         error = 0.0
         for concurrency, rate in scale.runs:
-            done, sim = simulate(
-                deployment, "round-robin", requests, concurrency, rate, seed, profile, tokens
-            )
+            done, sim = simulate(fitted, "round-robin", requests, concurrency, rate, seed)
             r = row("round-robin", concurrency, rate, done, sim)
             ttft, _, duration = SEED["round-robin"][_full(concurrency, scale)]
             error += (

@@ -161,6 +161,17 @@ class KvCache:
                 self._idle[h] = None
         hold.hashes, hold.private = [], 0
 
+    def clear(self) -> None:
+        """Forget every cached block, as an engine that dies loses its cache (vLLM's
+        AllBlocksCleared, told as each block removed). Only once no request holds any."""
+        if self.held:
+            raise RuntimeError(f"{self.held} blocks are still held: release them first")
+        gone = list(self._refs)
+        self._refs.clear()
+        self._idle.clear()
+        if gone and self.on_event is not None:
+            self.on_event(REMOVED, gone)
+
     def _take(self, h: int) -> None:
         if self._refs[h] == 0:
             del self._idle[h]

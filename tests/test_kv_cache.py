@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from config import Slo
 from config.schema import ProfileModel
 from router.kv_cache import REMOVED, STORED, KvCache, block_hashes
 from router.sim import OK, Batcher, Job, Simulator
@@ -183,7 +184,7 @@ def test_the_simulator_keeps_a_cache_per_replica_and_counts_hits() -> None:
     sim = Simulator(
         [("a", "m", "d0"), ("b", "m", "d1")],
         {"m": PROFILE},
-        slo=__import__("config").Slo(tpot_s=1.0),
+        slo=Slo(tpot_s=1.0),
         kv=[(64, BLOCK), (64, BLOCK)],
     )
     ids = list(range(20))
@@ -208,3 +209,17 @@ def test_two_copies_of_a_prompt_in_flight_share_all_but_the_recomputed_last_bloc
     assert kv.held == 3 and kv.cached == 2
     run(batch)
     assert kv.held == 0 and kv.cached == 2
+
+
+def test_a_cleared_cache_says_every_block_is_gone_and_refuses_while_any_is_held() -> None:
+    events: list[tuple[str, list[int]]] = []
+    kv = KvCache(16, BLOCK, lambda kind, hashes: events.append((kind, hashes)))
+    got = kv.hold(block_hashes(list(range(12)), BLOCK), 3, 3)
+    assert got is not None
+    with pytest.raises(RuntimeError, match="still held"):
+        kv.clear()
+    kv.release(got[0])
+    kv.clear()
+    assert kv.cached == 0 and kv.free == 16
+    assert sorted(events[-1][1]) == sorted(block_hashes(list(range(12)), BLOCK))
+    assert events[-1][0] == REMOVED

@@ -442,5 +442,9 @@ async def test_the_twins_kv_events_build_exactly_the_index_its_engines_hold() ->
             assert index.held_by(i) == blocks
         # Every turn shares the history: after the first, each went where it was cached.
         assert sum(1 for blocks in held if blocks) == 1
+        # An engine that dies loses its cache, and the index hears it.
+        home = next(i for i, blocks in enumerate(held) if blocks)
+        replicas[home].engine._die()  # type: ignore[attr-defined]
+        assert index.held_by(home) == set() == replicas[home].engine._batch.kv.hashes()  # type: ignore[attr-defined]
     finally:
         await replicas.close()

@@ -490,7 +490,7 @@ def build_workload(args: argparse.Namespace) -> tuple[WorkloadSpec, str]:
 def chat_workload(args: argparse.Namespace) -> tuple[list[Request], str]:
     """`--conversations` or `--seed003` (workloads.conversations), with arrival times: Poisson
     at --rate where it was given, else all at once."""
-    rate_given = "--rate" in sys.argv or any(a.startswith("--rate=") for a in sys.argv)
+    rate_given = args.rate is not None
     qos_class = next(iter(parse_mix(args.classes)))
     if args.seed003:
         convs = conversations(SHAPES["sharegpt-16"], 150, args.seed)
@@ -503,7 +503,7 @@ def chat_workload(args: argparse.Namespace) -> tuple[list[Request], str]:
         chosen = turns(convs, qos_class, max_prompt_tokens=args.max_prompt_tokens)
         what = f"{args.num_conversations} {args.conversations} conversations, {len(chosen)} turns"
     starts = len(chosen) if args.seed003 else args.num_conversations
-    gaps = np.random.default_rng([args.seed, 9]).exponential(1 / args.rate, starts)
+    gaps = np.random.default_rng([args.seed, 9]).exponential(1 / (args.rate or 1.0), starts)
     times = iter(np.cumsum(gaps) if rate_given else np.zeros(starts))
     cap = args.max_output_tokens
     out, seen = [], set()
@@ -595,7 +595,13 @@ def parser() -> argparse.ArgumentParser:
     arr.add_argument(
         "--arrivals", choices=["poisson", "gamma", "maf1", "switching", "trace"], default="poisson"
     )
-    arr.add_argument("--rate", type=float, default=1.0, help="req/s (poisson, gamma)")
+    arr.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="req/s (poisson, gamma; default 1); with --conversations or --seed003, their "
+        "arrivals (default: all at once)",
+    )
     arr.add_argument(
         "--cv",
         type=float,
@@ -705,6 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.conversations or args.seed003:
             workload, what = chat_workload(args)
         else:
+            args.rate = 1.0 if args.rate is None else args.rate
             spec, what = build_workload(args)
             workload = list(requests(spec, args.seed, args.duration, args.num_requests))
             if args.exact_rate:

@@ -152,11 +152,12 @@ def load_tokenizer(source: str, local_only: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(source, local_files_only=local_only)
 
 
-def gateway_counter(deployment: Deployment) -> PromptCounter | None:
+def gateway_counter(deployment: Deployment, remember: bool = False) -> PromptCounter | None:
     """What the gateway counts prompts with before it routes: the tokenizer the simulated
     engines count with, else the first replica's model's, where its files are here (a local
     model, or one already in the Hugging Face cache: a gateway never downloads). None, logged,
-    where there is none: requests then go unrouted by their length, as before."""
+    where there is none: requests then go unrouted by their length, as before. `remember`:
+    count each distinct prompt once (for a workload that repeats its prompts)."""
     simulation = deployment.simulation
     if simulation is not None and simulation.tokenizer_source is not None:
         source, build = simulation.tokenizer_source, simulation.tokenizer_build
@@ -171,8 +172,8 @@ def gateway_counter(deployment: Deployment) -> PromptCounter | None:
         log.warning("prompts are not counted before routing: no tokenizer of %s here (%s)",
                     source, exc)  # fmt: skip
         return None
-    hash_block = min(r.block_size for r in deployment.replicas)
-    return PromptCounter(PromptTokenizer(tokenizer, deployment.replicas[0]), hash_block)
+    prompts = PromptTokenizer(tokenizer, deployment.replicas[0])
+    return PromptCounter(prompts, deployment.hash_block, remember)
 
 
 def output_budget(request: Request, prompt_tokens: int, max_model_len: int) -> int:

@@ -97,8 +97,7 @@ class SimulatedCluster:
         self.deployment = deployment
         self.simulation: Simulation = deployment.simulation
         self.devices = Devices(deployment.profile.interference)
-        self.hash_block = min(r.block_size for r in deployment.replicas)
-        """The block size prompts' hashes are cut at (`Request.blocks`): the smallest one."""
+        self.hash_block = deployment.hash_block
         self.started = time.monotonic()
         self._tokenizers: dict[str, Any] = {}
         self._loading = threading.Lock()
@@ -315,6 +314,8 @@ class SimulatedEngine:
         log.warning("%s: simulated engine death", self.config.name)
         self._died = True
         self._fail_all(EngineError, "the engine died")
+        if self._batch.kv is not None:  # its memory goes with it: a restart finds nothing cached
+            self._batch.kv.clear()
         if self._loop_task is not None:
             self._loop_task.cancel()
 
