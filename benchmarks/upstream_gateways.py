@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -52,17 +53,19 @@ GATEWAYS = ("direct", "ours", "ours-2w", "sglang-router", "vllm-router")
 DEFAULT_GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
 
 
-def remote_config(folder: Path, urls: list[str]) -> Path:
-    """The shipped models.yaml plus a `bench-upstreams` deployment: the upstreams as replicas of
-    one model (opt-125m, served as `null`), its other settings as the `remote` deployment's."""
+def remote_config(
+    folder: Path, urls: list[str], model: str = "opt-125m", served: str = MODEL,
+    name: str = "bench-upstreams", each: Sequence[dict] = (), **settings: object,
+) -> Path:  # fmt: skip
+    """The shipped models.yaml plus a deployment `name`: the upstreams as replicas of one model
+    (`model`, served as `served`; `each`: more keys for each one's placement entry), its other
+    settings the `remote` deployment's, then `settings`."""
     spec = shipped_spec()
-    spec["placements"]["bench-upstreams"] = [
-        {"model": "opt-125m", "url": url + "/v1", "served_name": MODEL} for url in urls
+    spec["placements"][name] = [
+        {"model": model, "url": url + "/v1", "served_name": served, **(each[i] if each else {})}
+        for i, url in enumerate(urls)
     ]
-    spec["deployments"]["bench-upstreams"] = {
-        **spec["deployments"]["remote"],
-        "placement": "bench-upstreams",
-    }
+    spec["deployments"][name] = {**spec["deployments"]["remote"], "placement": name, **settings}
     path = folder / "models.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -86,24 +89,50 @@ def start_upstreams(
     return urls
 
 
-def start_vllm_upstream(stack: ExitStack, folder: Path) -> list[str]:
-    """One real `vllm serve` of the embedded tiny-s (CPU build), on CPU 1 where there is one;
-    stopped when `stack` closes. Its URL. It answers to MODEL, as our deployment's replicas ask
-    for it, and to ASKED, which the load asks for and the peers and `direct` pass on as is."""
+def start_vllm(
+    stack: ExitStack, folder: Path, names: list[str],
+    flags: Sequence[Sequence[str]] = (("--kv-cache-memory-bytes", str(256 * 2**20)),),
+    env: dict[str, str] | None = None,
+) -> list[str]:  # fmt: skip
+    """A real `vllm serve` of the embedded tiny-s (CPU build) per entry of `flags`, with those
+    flags added, answering to `names`, on CPU 1 where there is one; stopped when `stack`
+    closes. Their URLs."""
     subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
     template = folder / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
-    port = free_port()
-    # By its module: the CPU build's `vllm` command looks up a distribution named `vllm` and dies.
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", MODEL, ASKED,
-               "--port", str(port), "--chat-template", str(template), "--enforce-eager",
-               "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 * 2**20)]  # fmt: skip
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    upstream = launch("vllm-serve", command, port, "/health", folder / "vllm-serve.log", env,
-                      cpus={1} if (os.cpu_count() or 1) > 1 else None)  # fmt: skip
-    stack.enter_context(upstream.ready(600))
-    return [upstream.url]
+    urls = []
+    for i, extra in enumerate(flags):
+        port = free_port()
+        # By its module: the CPU build's `vllm` command looks up a distribution named `vllm`
+        # and dies.
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", *names,
+                   "--port", str(port), "--chat-template", str(template), "--enforce-eager",
+                   "--max-model-len", "2048", *extra]  # fmt: skip
+        upstream = launch(
+            f"vllm-serve-{i}", command, port, "/health", folder / f"vllm-serve-{i}.log",
+            {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})},
+            cpus={1} if (os.cpu_count() or 1) > 1 else None,
+        )  # fmt: skip
+        stack.enter_context(upstream.ready(600))
+        urls.append(upstream.url)
+    return urls
+
+
+def peer_command(name: str, venv: Path) -> list[str] | None:
+    """How to start peer gateway `name` from `venv`; None, with a note, where it is not there."""
+    binary = {
+        "sglang-router": [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router"],
+        "vllm-router": [str(venv / "bin" / "vllm-router")],
+    }[name]
+    if not Path(binary[0]).exists() or (
+        name == "sglang-router"
+        and subprocess.run([binary[0], "-c", "import sglang_router"], capture_output=True)
+        .returncode != 0
+    ):  # fmt: skip
+        print(f"note: {name} is not in {venv}; --install-peers", file=sys.stderr)
+        return None
+    return binary
 
 
 def start_gateway(
@@ -121,19 +150,8 @@ def start_gateway(
             command += ["--workers", "2"]
         ready = "/readyz"
     else:
-        binary = {
-            "sglang-router": [str(args.peers_venv / "bin" / "python"), "-m",
-                              "sglang_router.launch_router"],
-            "vllm-router": [str(args.peers_venv / "bin" / "vllm-router")],
-        }[name]  # fmt: skip
-        if not Path(binary[0]).exists() or (
-            name == "sglang-router"
-            and subprocess.run(
-                [*binary[:1], "-c", "import sglang_router"], capture_output=True
-            ).returncode
-            != 0  # fmt: skip
-        ):
-            print(f"note: {name} is not in {args.peers_venv}; --install-peers", file=sys.stderr)
+        binary = peer_command(name, args.peers_venv)
+        if binary is None:
             return None
         command = [*binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
         ready = "/health"
@@ -167,7 +185,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     folder.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         if args.upstream == "vllm":
-            urls = start_vllm_upstream(stack, folder)
+            urls = start_vllm(stack, folder, [MODEL, ASKED])
         else:
             paces = [(args.first_token_ms, args.token_gap_ms)] * args.upstreams
             urls = start_upstreams(stack, folder, paces)
@@ -246,6 +264,13 @@ def install_peers(venv: Path) -> None:
     subprocess.run([*pip, "sglang-router", "vllm-router"], check=True)
 
 
+def add_peer_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """--peers-venv, --install-peers and --out (results/`out`)."""
+    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
+    parser.add_argument("--install-peers", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / out)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.upstream_gateways", description=__doc__,
@@ -263,9 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--upstreams", type=int, default=3)
     parser.add_argument("--first-token-ms", type=float, default=20.0)
     parser.add_argument("--token-gap-ms", type=float, default=10.0)
-    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
-    parser.add_argument("--install-peers", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "upstream_gateways")
+    add_peer_arguments(parser, "upstream_gateways")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     args.gateways = args.gateways.split(",")

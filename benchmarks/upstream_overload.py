@@ -36,6 +36,7 @@ import httpx
 
 from benchmarks.upstream_gateways import (
     ASKED,
+    add_peer_arguments,
     install_peers,
     report,
     start_gateway,
@@ -254,9 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="slow: the fast upstreams' token gap; the slow one's is three times it, past the "
         "SLO's 40 ms a token at the default",
     )  # fmt: skip
-    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".peers-venv")
-    parser.add_argument("--install-peers", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "upstream_overload")
+    add_peer_arguments(parser, "upstream_overload")
     args = parser.parse_args(argv)
     args.scenarios = args.scenarios.split(",")
     args.gateways = args.gateways.split(",")

@@ -64,6 +64,8 @@ class ReplicaConfig:
     build: TinyBuild | None
     scrape_s: float = 0.0
     """How often a remote replica's /metrics is read; 0: never."""
+    kv_events: str | None = None
+    """Where a remote replica publishes its KV cache events (ZMQ); None: nowhere we know."""
     kv_tokens: int | None = None
     """Tokens its KV cache holds, whole blocks (`kv_capacity`); None where nothing sizes it."""
     block_size: int = 16
@@ -390,6 +392,7 @@ def _replicas(
                     fallback_chat_template=spec.chat_template,
                     build=model.build,
                     scrape_s=_scrape_s(entry.scrape_s, url),
+                    kv_events=entry.kv_events,
                     kv_tokens=kv_capacity(
                         f"placements.{placement}: {entry.model}", model, entry, profile, block_size
                     ),

@@ -131,14 +131,19 @@ class ReplicaEntry(Strict):
     """With url: seconds between reads of the server's /metrics (the URL's origin), whose
     load (vLLM's running and waiting requests, KV cache) the router and admission control see
     beside the gateway's own; 0: never read. Default 0.1."""
+    kv_events: Annotated[str, Field(pattern=r"^(tcp|ipc)://")] | None = None
+    """With url: the ZMQ endpoint where that vLLM publishes its KV cache events (its
+    --kv-events-config endpoint, with a host: "tcp://10.0.0.5:5557"), which the precise
+    prefix index (policy prefix-precise) reads."""
 
     @model_validator(mode="after")
     def _one_location(self) -> ReplicaEntry:
         given = [name for name in ("device", "devices", "url") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of device, devices or url (got {given or 'none'})")
-        if self.scrape_s is not None and self.url is None:
-            raise ValueError("scrape_s is only for a replica behind a url")
+        for name in ("scrape_s", "kv_events"):
+            if getattr(self, name) is not None and self.url is None:
+                raise ValueError(f"{name} is only for a replica behind a url")
         for device in self.device_list():
             if not (device == "cpu" or device.startswith("cuda:")):
                 raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")

@@ -29,13 +29,13 @@ STORED, REMOVED = "stored", "removed"
 """What a cache event says of its blocks: vLLM's BlockStored and BlockRemoved."""
 
 
-def block_hashes(ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """The chained hash of each full block of `ids`. xxHash64 where vLLM takes sha256: an index
+def block_hashes(ids: Sequence[int], block_size: int, parent: int = ROOT) -> tuple[int, ...]:
+    """The chained hash of each full block of `ids`, the first block's parent `parent` (ROOT:
+    `ids` start a prompt). xxHash64 where vLLM takes sha256: an index
     of vLLM's blocks re-hashes the token ids its events carry with this same function, so it
     need not match vLLM's choice, and this is ten times faster in the simulator's hot path."""
     data = np.asarray(ids, dtype=np.int64)
     out = []
-    parent = ROOT
     for start in range(0, len(data) - block_size + 1, block_size):
         parent = xxhash.xxh64_intdigest(data[start : start + block_size].tobytes(), parent)
         out.append(parent)

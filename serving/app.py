@@ -14,6 +14,7 @@ from config import Deployment
 from router.policies import make_policy
 from router.prefix import PrefixAffinity
 from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
+from serving.engines.kv_events import Rehasher, subscribe
 from serving.engines.prompts import gateway_counter
 from serving.gateway import Gateway
 from serving.metrics import Metrics
@@ -52,19 +53,27 @@ def build_app(
     if shared_view is not None:
         peers = Peers(shared_view, index, metrics.recent.export)
     policy_ = make_policy(deployment, policy)
-    if isinstance(policy_, PrefixAffinity) and policy_.precise:
-        # The engines that publish their KV events in this process (the twin's) feed the
-        # precise index; vLLM's ZMQ events and the engine host's link do not yet.
+    # The precise prefix index (alone, or choosing the replica after the DQN chose the model)
+    # hears the engines' KV events: a twin's in this process, a vLLM's over ZMQ where its
+    # placement says where it publishes them. Not yet over the engine host's link.
+    precise = getattr(policy_, "replica_policy", policy_)
+    hearings: list[tuple[str, Rehasher, str]] = []
+    if isinstance(precise, PrefixAffinity) and precise.precise:
         for index_, replica in enumerate(replicas):
+            hear = functools.partial(precise.event, index_)
             publish = getattr(replica.engine, "publish_kv_events", None)
-            if publish is not None:
-                publish(functools.partial(policy_.event, index_))
+            if replica.config.kv_events is not None:
+                rehasher = Rehasher(deployment.hash_block, hear)
+                hearings.append((replica.config.kv_events, rehasher, replica.name))
+            elif publish is not None:
+                publish(hear)
     gateway = Gateway(deployment, replicas, policy_, metrics, rate=rate, key_accounts=accounts)
     classifier = QosClassifier.from_deployment(deployment)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gateway.counter = await asyncio.to_thread(gateway_counter, deployment)
+        listening = [asyncio.create_task(subscribe(*hearing)) for hearing in hearings]
         await replicas.start()
         # Everything built so far (the engines' clients, torch, transformers: hundreds of
         # thousands of objects) lives as long as the server. A full collection scanned it all
@@ -80,6 +89,8 @@ def build_app(
             yield
         finally:
             loop_lag.cancel()
+            for task in listening:
+                task.cancel()
             if peers is not None:
                 await peers.close()
             await replicas.close()

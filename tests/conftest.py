@@ -201,9 +201,13 @@ def serving_command(config: Path, deployment: str, port: int, *extra: str) -> li
     return serving_args(deployment, port, "--config", str(config), *extra)
 
 
-def remote_placement(port: int) -> list[dict]:
-    """A placement of one replica: tiny-s served by the OpenAI-compatible server at `port`."""
-    return [{"model": "tiny-s", "url": f"http://127.0.0.1:{port}/v1", "served_name": "tiny-s"}]
+def remote_placement(port: int, kv_events_port: int | None = None) -> list[dict]:
+    """A placement of one replica: tiny-s served by the OpenAI-compatible server at `port`,
+    publishing its KV cache events at `kv_events_port` where given."""
+    replica = {"model": "tiny-s", "url": f"http://127.0.0.1:{port}/v1", "served_name": "tiny-s"}
+    if kv_events_port is not None:
+        replica["kv_events"] = f"tcp://127.0.0.1:{kv_events_port}"
+    return [replica]
 
 
 def one_vllm_engine(name: str, model: str) -> tuple[list[dict], dict]:
@@ -292,10 +296,11 @@ class SessionServers:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.upstream_port = free_port()
+        self.kv_events_port = free_port()
         self.config = test_config(
             directory,
             remote_test=(
-                remote_placement(self.upstream_port),
+                remote_placement(self.upstream_port, self.kv_events_port),
                 {"placement": "remote_test", "policy": {"name": "quality-threshold"}},
             ),
         )
@@ -346,6 +351,11 @@ class SessionServers:
             "--port", str(self.upstream_port), "--chat-template", str(template),
             "--enforce-eager", "--max-model-len", "2048",
             "--kv-cache-memory-bytes", str(256 * 2**20),
+            "--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                # A wildcard host: vLLM binds it. (To a host it names, vLLM connects instead.)
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+            }),
         ]  # fmt: skip
         # Stats stay on (vLLM's default): without them its /metrics has no load for the gateway.
         # Not pinned to the core vLLM gives the embedded engines: it can move off a busy core.

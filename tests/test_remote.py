@@ -5,6 +5,7 @@ The last test kills the upstream server, so it stays last in this file.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,7 +17,12 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, wait_until
+from config import load_deployment
+from router.kv_cache import STORED
+from serving.engines.kv_events import Rehasher, subscribe
+from serving.engines.prompts import gateway_counter
+from tests.conftest import Server, SessionServers, wait_until
+from workloads import Message, Request
 
 HELLO = [{"role": "user", "content": "Hello there!"}]
 
@@ -33,9 +39,52 @@ def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: 
     )
     chunks = list(stream)
     assert {c.model for c in chunks} == {"tiny-s"}
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 4
+    # Not a chunk per token: vLLM's server, behind on 2 busy cores, sends the tokens it has
+    # ready together (CI saw 8 tokens in 2 chunks), and some of a random model's tokens are
+    # partial characters that it holds back until they decode.
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
     assert chunks[-1].usage.completion_tokens == 8
     assert json.loads(chunks[0].model_dump_json())["replica"] == f"127.0.0.1:{upstream.port}/tiny-s"
+
+
+def test_vllms_kv_events_name_the_blocks_the_gateway_counts(
+    session_servers: SessionServers, upstream: Server
+) -> None:
+    """vLLM's BlockStored events, heard over ZMQ and re-hashed, name exactly the blocks the
+    gateway hashed for the same chat before routing it: what the precise prefix index matches."""
+    deployment = load_deployment(session_servers.config, "remote_test")
+    endpoint = deployment.replicas[0].kv_events
+    counter = gateway_counter(deployment)
+    assert endpoint is not None and counter is not None
+    words = " ".join(f"word{i % 97}" for i in range(150))
+    messages = [{"role": "user", "content": f"Remember these: {words}"}]
+    request = Request("kv", 0.0, (Message("user", messages[0]["content"]),), 2, "free-tier")
+    stored: set[int] = set()
+
+    def hear(kind: str, hashes: list[int]) -> None:
+        if kind == STORED:
+            stored.update(hashes)
+
+    async def send_and_hear() -> tuple[int, ...]:
+        blocks = (await counter.count(request, 2048)).blocks or ()
+        per = 128 // deployment.hash_block  # vLLM's blocks on CPU are 128 tokens
+        whole = blocks[: len(blocks) // per * per]
+        rehasher = Rehasher(deployment.hash_block, hear)
+        listening = asyncio.create_task(subscribe(endpoint, rehasher, "upstream"))
+        await asyncio.sleep(1.0)  # a ZMQ subscriber hears only what is published once joined
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "tiny-s", "messages": messages, "max_tokens": 2}
+            (await client.post(upstream.url + "/v1/chat/completions", json=body)).raise_for_status()
+        for _ in range(100):
+            if set(whole) <= stored:
+                break
+            await asyncio.sleep(0.1)
+        listening.cancel()
+        return whole
+
+    whole = asyncio.run(send_and_hear())
+    assert len(whole) >= 16, whole  # several of vLLM's 128-token blocks
+    assert set(whole) <= stored
 
 
 def test_load_another_client_puts_on_vllm_serve_reaches_the_gateways_view(

@@ -1,0 +1,166 @@
+"""`python -m benchmarks.prefix_gateways`: prefix-aware routing in front of real vLLM, ours side
+by side with the peers' `cache_aware` (sglang-router, vllm-router) and with round-robin.
+
+Two `vllm serve` replicas of the embedded tiny-s (CPU build, prefix caching on, each with a KV
+cache of `--kv-blocks` blocks of 128 tokens, small enough that a replica cannot hold every
+conversation) on CPU 1; each gateway in turn on CPU 0:
+- `ours-precise`, `ours-approx`, `ours-hash`, `ours-rr`: `python -m serving` with the two
+  replicas as a remote deployment of one model, `--policy prefix-precise` (its index fed by
+  the replicas' KV cache events, which they publish over ZMQ), `prefix-approx`, `prefix-hash`
+  or `round-robin`;
+- `sglang-router` and `vllm-router` with `--policy cache_aware`, from `--peers-venv`.
+
+The load asks for model `auto` (the replicas answer to it too, so the peers may pass it on),
+so that our gateway's router chooses. It is the project's closed-loop client (`python -m
+workloads.replay --conversations sharegpt-16 --max-concurrency N`): each conversation's next
+turn, carrying its history, goes out when its previous answer ended. Before each gateway both
+replicas' prefix caches are emptied (`POST /reset_prefix_cache`, vLLM's dev mode). Reported per
+gateway: requests completed and failed, mean and p99 TTFT, and the prefix cache hit rate the
+replicas report in /metrics (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, tokens,
+over the run).
+
+    python -m benchmarks.prefix_gateways [--conversations 24] [--concurrency 4] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.upstream_gateways import (
+    add_peer_arguments,
+    install_peers,
+    peer_command,
+    remote_config,
+    start_vllm,
+)
+from experiments.output import write_csv
+from serving.launch import ROOT, free_port, launch
+
+MODEL = "tiny-s"
+GATEWAYS = ("ours-precise", "ours-approx", "ours-hash", "ours-rr", "sglang-router", "vllm-router")
+OURS = {"ours-precise": "prefix-precise", "ours-approx": "prefix-approx",
+        "ours-hash": "prefix-hash", "ours-rr": "round-robin"}  # fmt: skip
+BLOCK = 128
+
+
+def start_gateway(
+    stack: ExitStack, name: str, urls: list[str], events: list[str], folder: Path, peers: Path
+) -> str:
+    """Gateway `name` on CPU 0 in front of `urls`, which publish their KV events at `events`;
+    its URL, or "" where a peer is not there."""
+    port = free_port()
+    if name in OURS:
+        # The replicas as one model, tiny-s, whose local tokenizer lets our gateway count
+        # prompts and hash their blocks (vLLM's block size), and where they publish their KV
+        # events (which only prefix-precise reads).
+        config = remote_config(folder, urls, model=MODEL, served=MODEL, name="prefix-upstreams",
+                               each=[{"kv_events": e} for e in events],
+                               engine_args={"block_size": BLOCK})  # fmt: skip
+        command = [sys.executable, "-m", "serving", "--config", str(config),
+                   "--deployment", "prefix-upstreams", "--policy", OURS[name],
+                   "--port", str(port), "--h3-port", "0"]  # fmt: skip
+        ready = "/readyz"
+    else:
+        binary = peer_command(name, peers)
+        if binary is None:
+            return ""
+        command = [*binary, "--host", "127.0.0.1", "--port", str(port), "--policy",
+                   "cache_aware", "--worker-urls", *urls]  # fmt: skip
+        ready = "/health"
+    gateway = launch(name, command, port, ready, folder / f"{name}.log", cpus={0})
+    stack.enter_context(gateway.ready(180))
+    return gateway.url
+
+
+def prefix_counts(urls: list[str]) -> tuple[float, float]:
+    """Prefix cache queries and hits (tokens) summed over the replicas."""
+    queries = hits = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+                elif sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+    return queries, hits
+
+
+def load(url: str, args: argparse.Namespace, out: Path) -> dict:
+    command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
+               "--conversations", "sharegpt-16",
+               "--num-conversations", str(args.conversations), "--max-concurrency",
+               str(args.concurrency), "--max-output-tokens", "16", "--max-prompt-tokens", "1900",
+               "--seed", str(args.seed), "--no-progress", "--out", str(out)]  # fmt: skip
+    cpus = set(range(1, os.cpu_count() or 2)) or {0}
+    subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                   preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gateways", default=",".join(GATEWAYS))
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--kv-blocks", type=int, default=40)
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    add_peer_arguments(parser, "prefix_gateways")
+    args = parser.parse_args()
+    if args.install_peers:
+        install_peers(args.peers_venv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with ExitStack() as replicas:
+        per_token = 2 * 2 * 128 * 4  # tiny-s: 2 layers, hidden 128, float32; K and V
+        ports = [free_port() for _ in range(args.replicas)]
+        events = [f"tcp://127.0.0.1:{port}" for port in ports]  # vLLM binds tcp://*:port
+        flags = [("--dtype", "float32", "--block-size", str(BLOCK),
+                  "--kv-cache-memory-bytes", str(args.kv_blocks * BLOCK * per_token),
+                  "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                    "publisher": "zmq",
+                                                    "endpoint": f"tcp://*:{port}"}))
+                 for port in ports]  # fmt: skip
+        dev = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
+        urls = start_vllm(replicas, args.out, [MODEL, "auto"], flags, dev)
+        for round_ in range(args.rounds):
+            for name in args.gateways.split(","):
+                for url in urls:
+                    httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+                before = prefix_counts(urls)
+                with ExitStack() as gateway:
+                    front = start_gateway(gateway, name, urls, events, args.out, args.peers_venv)
+                    if not front:
+                        continue
+                    record = load(front, args, args.out / f"{name}-{round_}.json")
+                queries, hits = (a - b for a, b in zip(prefix_counts(urls), before, strict=True))
+                s = record["summary"]
+                rows.append({
+                    "gateway": name, "round": round_, "sent": s["sent"],
+                    "completed": s["completed"], "errored": s["errored"],
+                    "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
+                    "hit_rate": hits / queries if queries else 0.0,
+                })  # fmt: skip
+                r = rows[-1]
+                print(f"{name:>14} round {round_}: {r['completed']}/{r['sent']} done, "
+                      f"{r['errored']} failed, mean TTFT {r['mean_ttft_ms']:.1f} ms, p99 "
+                      f"{r['p99_ttft_ms']:.1f} ms, prefix cache hits {r['hit_rate']:.3f}",
+                      flush=True)  # fmt: skip
+    write_csv(args.out / "prefix_gateways.csv", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
