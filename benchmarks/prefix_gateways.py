@@ -1,9 +1,11 @@
 """`python -m benchmarks.prefix_gateways`: prefix-aware routing in front of real vLLM, ours side
 by side with the peers' `cache_aware` (sglang-router, vllm-router) and with round-robin.
 
-Two `vllm serve` replicas of the embedded tiny-s (CPU build, prefix caching on, each with a KV
-cache of `--kv-blocks` blocks of 128 tokens, small enough that a replica cannot hold every
-conversation) on CPU 1; each gateway in turn on CPU 0:
+Two `vllm serve` replicas of an embedded model (`--model`, tiny-m: big enough that prefill shows
+on a CPU, as in benchmarks.cache_fidelity; CPU build, prefix caching on, each with a KV
+cache of `--kv-blocks` blocks of 128 tokens: 110 hold about half the conversations' histories,
+so a replica that gets every conversation thrashes and one that gets half of them need not) on
+CPU 1; each gateway in turn on CPU 0, with no admission control (the peers have none):
 - `ours-precise`, `ours-approx`, `ours-hash`, `ours-rr`: `python -m serving` with the two
   replicas as a remote deployment of one model, `--policy prefix-precise` (its index fed by
   the replicas' KV cache events, which they publish over ZMQ), `prefix-approx`, `prefix-hash`
@@ -19,7 +21,8 @@ gateway: requests completed and failed, mean and p99 TTFT, and the prefix cache 
 replicas report in /metrics (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, tokens,
 over the run).
 
-    python -m benchmarks.prefix_gateways [--conversations 24] [--concurrency 4] [--rounds 2]
+    python -m benchmarks.prefix_gateways --install-peers           # 10 min
+    python -m benchmarks.prefix_gateways --scrape-s 0 --gateways ours-precise,ours-rr
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -43,9 +47,8 @@ from benchmarks.upstream_gateways import (
     start_vllm,
 )
 from experiments.output import write_csv
-from serving.launch import ROOT, free_port, launch
+from serving.launch import ROOT, free_port, launch, shipped_spec
 
-MODEL = "tiny-s"
 GATEWAYS = ("ours-precise", "ours-approx", "ours-hash", "ours-rr", "sglang-router", "vllm-router")
 OURS = {"ours-precise": "prefix-precise", "ours-approx": "prefix-approx",
         "ours-hash": "prefix-hash", "ours-rr": "round-robin"}  # fmt: skip
@@ -53,31 +56,43 @@ BLOCK = 128
 
 
 def start_gateway(
-    stack: ExitStack, name: str, urls: list[str], events: list[str], folder: Path, peers: Path
-) -> str:
+    stack: ExitStack, name: str, urls: list[str], events: list[str], folder: Path, peers: Path,
+    model: str, scrape_s: float | None,
+) -> str:  # fmt: skip
     """Gateway `name` on CPU 0 in front of `urls`, which publish their KV events at `events`;
     its URL, or "" where a peer is not there."""
     port = free_port()
     if name in OURS:
-        # The replicas as one model, tiny-s, whose local tokenizer lets our gateway count
+        # The replicas as one model, whose local tokenizer lets our gateway count
         # prompts and hash their blocks (vLLM's block size), and where they publish their KV
         # events (which only prefix-precise reads).
-        config = remote_config(folder, urls, model=MODEL, served=MODEL, name="prefix-upstreams",
-                               each=[{"kv_events": e} for e in events],
+        config = remote_config(folder, urls, model=model, served=model, name="prefix-upstreams",
+                               each=[{"kv_events": e, "scrape_s": scrape_s} for e in events],
                                engine_args={"block_size": BLOCK})  # fmt: skip
         command = [sys.executable, "-m", "serving", "--config", str(config),
                    "--deployment", "prefix-upstreams", "--policy", OURS[name],
+                   # The peers shed nothing: neither does ours here (its deadline rule turned
+                   # away a third of this load, free-tier's first-token budget being 0.25 s).
+                   "--admission", "none",
                    "--port", str(port), "--h3-port", "0"]  # fmt: skip
         ready = "/readyz"
     else:
         binary = peer_command(name, peers)
         if binary is None:
             return ""
+        # A port of its own for each one's Prometheus exporter: both default to 29000.
         command = [*binary, "--host", "127.0.0.1", "--port", str(port), "--policy",
-                   "cache_aware", "--worker-urls", *urls]  # fmt: skip
+                   "cache_aware", "--worker-urls", *urls,
+                   "--prometheus-port", str(free_port())]  # fmt: skip
         ready = "/health"
     gateway = launch(name, command, port, ready, folder / f"{name}.log", cpus={0})
     stack.enter_context(gateway.ready(180))
+    # Ready is not yet routing: sglang-router answers /health before its workers are checked,
+    # and its first requests were 503s. Wait for a model list from each gateway first.
+    for _ in range(120):
+        if httpx.get(gateway.url + "/v1/models", timeout=10).status_code == 200:
+            break
+        time.sleep(0.5)
     return gateway.url
 
 
@@ -112,7 +127,13 @@ def main() -> int:
     )
     parser.add_argument("--gateways", default=",".join(GATEWAYS))
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--kv-blocks", type=int, default=40)
+    parser.add_argument("--model", default="tiny-m", help="an embedded model")
+    parser.add_argument("--kv-blocks", type=int, default=110)
+    parser.add_argument(
+        "--scrape-s", type=float, default=None,
+        help="how often ours reads each replica's /metrics (default: the deployment's, 0.1 s; "
+        "0: never, as the peers never do)",
+    )  # fmt: skip
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
@@ -124,7 +145,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with ExitStack() as replicas:
-        per_token = 2 * 2 * 128 * 4  # tiny-s: 2 layers, hidden 128, float32; K and V
+        build = shipped_spec()["models"][args.model]["build"]
+        per_token = 2 * build["num_layers"] * build["hidden_size"] * 4  # K and V, float32
         ports = [free_port() for _ in range(args.replicas)]
         events = [f"tcp://127.0.0.1:{port}" for port in ports]  # vLLM binds tcp://*:port
         flags = [("--dtype", "float32", "--block-size", str(BLOCK),
@@ -134,14 +156,23 @@ def main() -> int:
                                                     "endpoint": f"tcp://*:{port}"}))
                  for port in ports]  # fmt: skip
         dev = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
-        urls = start_vllm(replicas, args.out, [MODEL, "auto"], flags, dev)
+        urls = start_vllm(replicas, args.out, [args.model, "auto"], flags, dev, args.model)
         for round_ in range(args.rounds):
             for name in args.gateways.split(","):
                 for url in urls:
                     httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
                 before = prefix_counts(urls)
                 with ExitStack() as gateway:
-                    front = start_gateway(gateway, name, urls, events, args.out, args.peers_venv)
+                    front = start_gateway(
+                        gateway,
+                        name,
+                        urls,
+                        events,
+                        args.out,
+                        args.peers_venv,
+                        args.model,
+                        args.scrape_s,
+                    )
                     if not front:
                         continue
                     record = load(front, args, args.out / f"{name}-{round_}.json")

@@ -92,9 +92,9 @@ def start_upstreams(
 def start_vllm(
     stack: ExitStack, folder: Path, names: list[str],
     flags: Sequence[Sequence[str]] = (("--kv-cache-memory-bytes", str(256 * 2**20)),),
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, model: str = "tiny-s",
 ) -> list[str]:  # fmt: skip
-    """A real `vllm serve` of the embedded tiny-s (CPU build) per entry of `flags`, with those
+    """A real `vllm serve` of an embedded model (CPU build) per entry of `flags`, with those
     flags added, answering to `names`, on CPU 1 where there is one; stopped when `stack`
     closes. Their URLs."""
     subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
@@ -106,7 +106,7 @@ def start_vllm(
         # By its module: the CPU build's `vllm` command looks up a distribution named `vllm`
         # and dies.
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(ROOT / ".models" / "tiny-s"), "--served-model-name", *names,
+                   "--model", str(ROOT / ".models" / model), "--served-model-name", *names,
                    "--port", str(port), "--chat-template", str(template), "--enforce-eager",
                    "--max-model-len", "2048", *extra]  # fmt: skip
         upstream = launch(

@@ -188,7 +188,9 @@ class ShedAtTheDoor:
             ended = not message.get("more_body", False)
         try:
             model, max_tokens = asked_for(json.loads(body))
-        except ValueError:  # not JSON: the handler says so (400)
+        # Not JSON, not UTF-8, or nested past the parser's recursion limit: the handler says
+        # so (400).
+        except (ValueError, RecursionError):
             model, max_tokens = AUTO, None
         overloaded = self.gateway.turn_away(record_of(scope), model, max_tokens)
         if overloaded is not None:
@@ -639,7 +641,13 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return _error(400, f"{where}: {message}", "invalid_value", field)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(raw: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400:
+            # FastAPI's answer to a body json.loads raised on other than a JSONDecodeError: not
+            # UTF-8, or nested past its recursion limit. A request all the same: counted.
+            metrics.rejected(outcomes.INVALID, record_of(raw.scope))
+            message = "The body is not valid JSON: it must be UTF-8, and not nested that deep."
+            return _error(400, message, "invalid_json")
         return _error(exc.status_code, str(exc.detail), None)
 
     @app.exception_handler(ClientGone)

@@ -74,6 +74,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_are_text(cls, content: object) -> object:
+        # Said here, as pydantic would report the union's first branch ("should be a valid
+        # string") for an image part.
+        if isinstance(content, list):
+            kinds = {p.get("type") for p in content if isinstance(p, dict)} - {"text"}
+            if kinds:
+                got = ", ".join(sorted(map(str, kinds)))
+                raise ValueError(f"only text content parts are served here, not {got}")
+        return content
+
     @field_validator("content")
     @classmethod
     def _content_is_text(cls, content: str | list[TextPart]) -> str | list[TextPart]:

@@ -236,6 +236,13 @@ LONG_PROMPT = "word " * 3000
 BAD_INPUTS = {
     "malformed JSON": ("/v1/chat/completions", b'{"messages": [', 400, "invalid_json"),
     "not an object": ("/v1/chat/completions", [], 400, "invalid_value"),
+    "not UTF-8": ("/v1/chat/completions", b'{"messages": "\xff"}', 400, "invalid_json"),
+    "nested too deep": (
+        "/v1/chat/completions",
+        b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        "invalid_json",
+    ),  # fmt: skip
     "messages missing": ("/v1/chat/completions", {"max_tokens": 3}, 400, "invalid_value"),
     "empty messages": ("/v1/chat/completions", {"messages": []}, 400, "invalid_value"),
     "wrong type": (
@@ -285,6 +292,12 @@ BAD_INPUTS = {
         {"model": "gpt-9", "messages": HELLO},
         404,
         "model_not_found",
+    ),
+    "an image part": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "invalid_value",
     ),
     "n above 1": ("/v1/chat/completions", {"messages": HELLO, "n": 2}, 400, "invalid_value"),
     "lone surrogate": (
@@ -365,8 +378,9 @@ def test_refused_requests_are_counted_without_client_chosen_labels(server: Serve
     # Every request is classified as it arrives, so a bad body counts under its class too.
     httpx.post(url, json={"model": "made-up", "messages": HELLO})  # 404
     httpx.post(url, json={"messages": []})  # 400
+    httpx.post(url, content=b'{"messages": "\xff"}', headers={"content-type": "application/json"})
     httpx.post(url, json={"messages": HELLO}, headers={"x-qos-class": "real-time"})  # 403: no class
-    assert count("free-tier", "invalid") == before[("free-tier", "invalid")] + 2
+    assert count("free-tier", "invalid") == before[("free-tier", "invalid")] + 3
     assert count("none", "refused") == before[("none", "refused")] + 1
     assert "made-up" not in httpx.get(server.url + "/metrics").text
 

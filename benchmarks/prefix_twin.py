@@ -1,0 +1,173 @@
+"""`python -m benchmarks.prefix_twin`: seed 003's workload through the real server, on the live
+twin (`seed003-sim`: eight simulated L4 replicas of Llama 3.1 8B in real time), and whether
+every request is accounted for, in calm and in storms.
+
+The server (`python -m serving --deployment seed003-sim --policy P --time-scale K`, HTTP/1.1,
+request log on) on CPU 0; the load (`python -m workloads.replay --seed003 --num-requests N
+--rate R --max-concurrency C --classes long`) on CPU 1. The engines run K times slower than
+the profile (at 1, eight replicas at concurrency 800 stream about 10,000 tokens a second, more
+than one core carries beside the client), and no class has a deadline (the seed's client had
+none): TTFT is reported in the profile's time, divided by K. Scenarios:
+- `calm`: each policy in turn;
+- `client-killed`: the client SIGKILLed `--kill-after` seconds in, then another 300 requests;
+- `engines-die`: two of the eight engines die 12 s in (`simulation.faults`), back 5 s later.
+
+For each run: the client's completed and failed requests, the server's `serving_requests_total`
+by outcome and its request log's lines, and what `serving_replica_in_flight` holds after: they
+must agree, and in-flight must be back at 0.
+
+    python -m benchmarks.prefix_twin                                   # calm, RR and precise
+    python -m benchmarks.prefix_twin --scenario engines-die --requests 1500 --concurrency 200
+    python -m benchmarks.prefix_twin --scenario client-killed --concurrency 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
+
+DEPLOYMENT = "seed003-sim"
+DYING = ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"]
+
+
+def config(folder: Path, faults: bool) -> Path:
+    """The shipped models.yaml with no class deadline, and with `faults`, two dying engines."""
+    spec = shipped_spec()
+    for qos_class in spec["qos_classes"].values():
+        qos_class["deadline_s"] = 3600.0
+    if faults:
+        spec["deployments"][DEPLOYMENT]["simulation"]["faults"] = {
+            "replicas": DYING, "fail_after_s": 12.0, "restart_s": 5.0,
+        }  # fmt: skip
+    path = folder / "models.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def start_server(folder: Path, tag: str, policy: str, scale: float, faults: bool) -> Launched:
+    port = free_port()
+    command = [sys.executable, "-m", "serving", "--config", str(config(folder, faults)),
+               "--deployment", DEPLOYMENT, "--policy", policy, "--port", str(port),
+               "--h3-port", "0", "--time-scale", str(scale),
+               "--request-log", str(folder / f"{tag}-requests.jsonl")]  # fmt: skip
+    return launch(tag, command, port, "/readyz", folder / f"{tag}.log", cpus={0}).ready(120)
+
+
+def load(url: str, out: Path, args: argparse.Namespace, requests: int, kill_after: float = 0.0
+         ) -> dict | None:  # fmt: skip
+    """The client's summary; None where it was killed."""
+    command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
+               "--seed003", "--num-requests", str(requests), "--rate", str(args.rate),
+               "--max-concurrency", str(args.concurrency), "--classes", "long",
+               "--seed", str(args.seed), "--no-progress", "--out", str(out)]  # fmt: skip
+    cpus = set(range(1, os.cpu_count() or 2)) or {0}
+    client = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    if kill_after:
+        time.sleep(kill_after)
+        client.kill()
+        client.wait()
+        return None
+    client.wait()
+    return json.loads(out.read_text())["summary"]
+
+
+def server_counts(url: str, request_log: Path) -> dict:
+    outcomes: Counter[str] = Counter()
+    in_flight = 0.0
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "serving_requests_total":
+                outcomes[sample.labels["outcome"]] += int(sample.value)
+            elif sample.name == "serving_replica_in_flight":
+                in_flight += sample.value
+    logged = Counter(json.loads(line)["outcome"] for line in request_log.read_text().splitlines())
+    return {"outcomes": dict(outcomes), "logged": dict(logged), "in_flight": in_flight}
+
+
+def row(
+    tag: str, policy: str, scale: float, summary: dict | None, server: dict, before: int = 0
+) -> dict:
+    """One run's line; `before`: the requests the server had logged before it."""
+    out = {"run": tag, "policy": policy, **server, "new": sum(server["logged"].values()) - before}
+    if summary is not None:
+        out |= {
+            "sent": summary["sent"], "completed": summary["completed"],
+            "failed": summary["errored"], "errors": summary["errors"],
+            "mean_ttft_ms": summary["mean_ttft_ms"] / scale,
+            "p99_ttft_ms": summary["p99_ttft_ms"] / scale,
+            "req_per_s": summary["request_throughput"] * scale,
+        }  # fmt: skip
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    folder = args.out
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    faults = args.scenario == "engines-die"
+    for policy in args.policies.split(","):
+        tag = f"{args.scenario}-{policy}"
+        with start_server(folder, tag, policy, args.time_scale, faults) as server:
+            log = folder / f"{tag}-requests.jsonl"
+            if args.scenario == "client-killed":
+                load(server.url, folder / f"{tag}.json", args, args.requests, args.kill_after)
+                time.sleep(2)  # the server sees the connections close
+                killed = server_counts(server.url, log)
+                rows.append(row(f"{tag} (killed)", policy, args.time_scale, None, killed))
+                summary = load(server.url, folder / f"{tag}-after.json", args, 300)
+                time.sleep(2)
+                rows.append(row(f"{tag} (then 300 more)", policy, args.time_scale, summary,
+                                server_counts(server.url, log), rows[-1]["new"]))  # fmt: skip
+            else:
+                summary = load(server.url, folder / f"{tag}.json", args, args.requests)
+                time.sleep(2)
+                counts = server_counts(server.url, log)
+                rows.append(row(tag, policy, args.time_scale, summary, counts))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.prefix_twin", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--scenario", choices=("calm", "client-killed", "engines-die"),
+                        default="calm")  # fmt: skip
+    parser.add_argument("--policies", default="round-robin,prefix-precise")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=800)
+    parser.add_argument("--rate", type=float, default=800.0)
+    parser.add_argument("--time-scale", type=float, default=5.0)
+    parser.add_argument("--kill-after", type=float, default=20.0, help="client-killed: s")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "prefix_twin")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    (args.out / f"{args.scenario}.json").write_text(json.dumps(rows, indent=1))
+    lost = [
+        r["run"] for r in rows
+        if r["in_flight"] or sum(r["outcomes"].values()) != sum(r["logged"].values())
+        or ("sent" in r and r["sent"] != r["new"])
+    ]  # fmt: skip
+    print("every request accounted for" if not lost else f"NOT accounted for: {lost}")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
