@@ -642,9 +642,11 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(raw: Request, exc: HTTPException) -> JSONResponse:
-        if exc.status_code == 400:
+        if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
             # FastAPI's answer to a body json.loads raised on other than a JSONDecodeError: not
-            # UTF-8, or nested past its recursion limit. A request all the same: counted.
+            # UTF-8, or nested past its recursion limit. A request all the same: counted. (It
+            # answers a body cut short the same way, a ClientDisconnect: that one is a body
+            # over the limit, which BodyLimit counted as it refused it, or a client gone.)
             metrics.rejected(outcomes.INVALID, record_of(raw.scope))
             message = "The body is not valid JSON: it must be UTF-8, and not nested that deep."
             return _error(400, message, "invalid_json")
