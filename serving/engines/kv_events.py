@@ -18,7 +18,6 @@ it can match, which costs hits, never wrong routing.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -33,8 +32,9 @@ log = logging.getLogger(__name__)
 Hash = int | bytes
 """vLLM's ExternalBlockHash."""
 GPU_TIERS = (None, "GPU")
-"""Events of the engine's own cache (vLLM labels it GPU on every device); those of an offload
-tier (CPU, storage) are not what a prompt finds without loading."""
+"""Events of the engine's own cache (the CPU build's pass this filter: tests/test_remote.py
+hears them); those of an offload tier (CPU, storage) are not what a prompt finds without
+loading."""
 
 
 class _Stored(msgspec.Struct, tag="BlockStored"):
@@ -134,7 +134,5 @@ async def subscribe(endpoint: str, rehasher: Rehasher, name: str) -> None:
                 rehasher.batch(frames[2])
             except msgspec.DecodeError as exc:
                 log.warning("%s: a KV event batch that does not decode: %s", name, exc)
-    except asyncio.CancelledError:
-        raise
     finally:
         socket.close()
