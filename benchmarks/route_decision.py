@@ -16,6 +16,11 @@ blocks stored on a replica drawn at random). Apart from them, what counting a pr
 and hashing its blocks costs the gateway before it routes (`prompt count`: seed 003's prompts,
 838 tokens on average, each counted afresh).
 
+Then the DQN that reads the request's lengths against the one shipped before it (`--before`), on
+the first deployment: the same calls, each timed on both gateways in turn, the requests of every
+training length distribution; and apart, the output predictor the gateway runs before the
+decision (`output predictor`), taught 2,000 served requests first.
+
 Then the network-aware DQN against the network-blind one (`--paths`, default `mixed`, on the
 first deployment): the same calls, each timed on both gateways in turn (which goes first
 alternates), the network-aware one's requests carrying paths of the mix. It prints both p99s and
@@ -39,6 +44,7 @@ import numpy as np
 from config import Deployment, load_deployment
 from experiments.output import write_csv
 from experiments.prefix_aware import Scale, counter, seed_requests
+from router.features import OutputPredictor
 from router.paths import estimate_of
 from router.policies import make_policy
 from router.prefix import ModelThenReplica, PrefixAffinity
@@ -47,6 +53,7 @@ from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
 from workloads import Message, Request
 from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
+from workloads.lengths import TRAINING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,14 +75,48 @@ def _gateway(deployment: Deployment, policy_name: str) -> tuple[Gateway, Replica
 
 
 def _requests(deployment: Deployment, count: int = 64) -> list[Request]:
-    """Requests of every task, each on a path of the deployment's mix where it names one."""
-    tasks = deployment.tasks
+    """Requests of every task and class, of lengths of every training distribution (their
+    prompts counted, as the gateway counts before it routes), each on a path of the
+    deployment's mix where it names one."""
+    tasks, classes = deployment.tasks, list(deployment.qos_classes)
     paths = [estimate_of(p) for p in deployment.paths.paths.values()] if deployment.paths else []
-    return [
-        Request(f"r{i}", 0.0, (Message("user", f"question {i}"),), 64, "free-tier",
-                task=tasks[i % len(tasks)], path=paths[i % len(paths)] if paths else None)
-        for i in range(count)
-    ]  # fmt: skip
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(count):
+        lengths = TRAINING[i % len(TRAINING)]
+        prompt, _, max_tokens = lengths.draw(rng, deployment.max_model_len)
+        out.append(Request(
+            f"r{i}", 0.0, (Message("user", f"question {i}"),), max_tokens,
+            classes[i % len(classes)], task=tasks[i % len(tasks)], prompt_tokens=prompt or 40,
+            path=paths[i % len(paths)] if paths else None,
+        ))  # fmt: skip
+    return out
+
+
+def with_policy(deployment: Deployment, path: Path) -> Deployment:
+    """`deployment`, its DQN the one at `path`."""
+    return replace(deployment, policy=deployment.policy.model_copy(update={"path": str(path)}))
+
+
+def measure_predictor(deployment: Deployment, calls: int) -> np.ndarray:
+    """Microseconds of each output prediction (`OutputPredictor.predict`, which the gateway runs
+    before the decision's timer starts), on a predictor taught 2,000 served requests first."""
+    predictor = OutputPredictor(deployment.max_model_len)
+    requests = _requests(deployment)
+    rng = np.random.default_rng(2)
+    for k in range(2000):
+        predictor.observe(requests[k % len(requests)], int(rng.integers(1, 512)))
+    times = np.empty(calls)
+    gc.disable()
+    try:
+        for i in range(calls):
+            request = requests[i % len(requests)]
+            start = time.perf_counter_ns()
+            predictor.predict(request)
+            times[i] = time.perf_counter_ns() - start
+    finally:
+        gc.enable()
+    return times / 1000.0
 
 
 def measure(deployments: list[Deployment], policy_name: str, calls: int, seed: int) -> np.ndarray:
@@ -191,8 +232,17 @@ def main() -> int:
     )
     parser.add_argument("--paths", default="mixed", help="the network-aware DQN's path mix")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=ROOT / "router" / "policies" / "previous" / "paper-4gpu.npz",
+        help="a DQN to time beside the first deployment's own (default: the one shipped before "
+        "it read lengths); 'none': skip",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args()
+    if str(args.before) == "none":
+        args.before = None
     rows = []
     print(f"{'deployment':>12} {'policy':>18} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
     config = ROOT / "models.yaml"
@@ -215,6 +265,19 @@ def main() -> int:
         calls = min(args.calls, 4000)
         rows.append(_row("seed003-sim", "prompt count", measure_count(calls, args.seed), calls))
     first = args.deployments[0]
+    if args.before is not None:
+        # The DQN that reads lengths against the one before it, on the same calls, in this run.
+        now = load_deployment(config, first)
+        both = measure([with_policy(now, args.before), now], "dqn", args.calls, args.seed)
+        rows.append(_row(first, "dqn (before)", both[:, 0], args.calls))
+        rows.append(_row(first, "dqn (lengths)", both[:, 1], args.calls))
+        rows.append(_row(first, "output predictor", measure_predictor(now, args.calls),
+                         args.calls))  # fmt: skip
+        p99 = np.percentile(both, 99, axis=0)
+        verdict = "PASS" if p99[1] - p99[0] <= 10 else "MISS"
+        print(f"{verdict} the DQN that reads lengths: p99 {p99[1]:.1f} us against {p99[0]:.1f} us "
+              f"before, in the same run: {p99[1] - p99[0]:+.1f} us (target: at most +10; the "
+              "predictor's own time is in it)")  # fmt: skip
     blind, aware = load_deployment(config, first), load_deployment(config, first, args.paths)
     if aware.policy_file == blind.policy_file:
         print(f"{first} has no network-aware policy (policy.net_path): not compared")

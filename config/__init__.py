@@ -1,6 +1,7 @@
 """models.yaml: its schema, its loader, and resolved deployments. Imports nothing of the project."""
 
 from config.deployment import (
+    DEFAULT_MAX_MODEL_LEN,
     DEFAULT_PATH,
     ConfigError,
     Deployment,
@@ -13,6 +14,7 @@ from config.deployment import (
 from config.schema import Limits, ModelsFile, QosClass, Slo, Tier
 
 __all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
     "DEFAULT_PATH",
     "ConfigError",
     "Deployment",

@@ -39,6 +39,10 @@ Inference Extension's endpoint picker reads every 50 ms, vLLM's API-server coord
 publishes every 100 ms."""
 
 
+DEFAULT_MAX_MODEL_LEN = 2048
+"""OPT's context, where the deployment's engine_args set no max_model_len."""
+
+
 class ConfigError(ValueError):
     """models.yaml is unreadable or wrong; the message names the file and the field."""
 
@@ -142,6 +146,15 @@ class Deployment:
         simulation = replace(self.simulation, time_scale=self.simulation.time_scale * factor)
         return replace(self, profile=_scaled(self.profile, factor), simulation=simulation)
 
+    def with_policy_file(self, path: str | Path) -> Deployment:
+        """This deployment routing with the trained policy at `path`, with or without a path
+        mix; ConfigError if there is no file there."""
+        if not Path(path).is_file():
+            raise ConfigError(f"no policy file at {path}")
+        where = str(Path(path).resolve())
+        policy = self.policy.model_copy(update={"path": where, "net_path": None})
+        return replace(self, policy=policy)
+
     def with_paths(self, name: str | None, mix: PathMix | None) -> Deployment:
         """This deployment with its clients on path mix `name` (None: paths not modelled)."""
         return replace(self, paths=mix, path_mix=name)
@@ -163,6 +176,13 @@ class Deployment:
     def max_batch(self) -> int | None:
         """vLLM's cap on a batch (`max_num_seqs`), where every replica has the same one."""
         return self.engine_arg("max_num_seqs")
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context any of its replicas takes (engine_args' max_model_len, else
+        OPT's): the longest prompt the gateway lets in, and what a request that sets no
+        max_tokens may run to (vLLM's default: all the context its prompt leaves)."""
+        return max(r.engine_int("max_model_len", DEFAULT_MAX_MODEL_LEN) for r in self.replicas)
 
     @property
     def hash_block(self) -> int:

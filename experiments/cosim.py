@@ -33,12 +33,10 @@ from config import Deployment
 from experiments.transport_micro import CONGESTION_CONTROL, QUIC_STACKS, STACKS
 from netsim.link import LinkConfig
 from netsim.simlink import SimulatedPath
-from router.admission import admission_for
-from router.features import ArrivalRateEstimator
 from router.paths import END_BYTES, HEAD_BYTES, PROMPT_BYTES_PER_TOKEN, TOKEN_BYTES
-from router.policies import Policy, encoder_for
+from router.policies import Policy
+from router.route import Router
 from router.sim import DEADLINE, Finished, Job, Simulator
-from router.view import ClusterView
 from transport.connection import ScheduledQuicConnection
 from transport.http3 import Http3Settings
 from transport.qos import StreamDeadline, stream_spec
@@ -111,16 +109,12 @@ class _Channel:
 
 
 class VirtualGateway:
-    """The gateway's routing in virtual time: admission control, the arrival-rate estimate and
-    the policy in front of the simulated engines, as `router.env.RoutingEnv` has them, but
-    driven by arrivals at the server instead of a workload's own clock."""
+    """The gateway's routing in virtual time (`router.route.Router`) in front of the simulated
+    engines, driven by arrivals at the server instead of a workload's own clock."""
 
     def __init__(self, deployment: Deployment, policy: Policy) -> None:
-        self.policy = policy
         self.sim = Simulator.from_deployment(deployment)
-        self.rate = ArrivalRateEstimator()
-        self.admission = admission_for(deployment)
-        self.encoder = encoder_for(policy, deployment)
+        self.router = Router(deployment, policy)
 
     def arrive(
         self, request: Request, now: float
@@ -128,17 +122,20 @@ class VirtualGateway:
         """Route `request`, arrived now (with its client's path as the server measured it).
         Returns what ended on the way here, the model it went to (None: shed at the door), and
         when its last token must be written, where the router computed its budget."""
-        ended = self.sim.advance(now)
-        rate = self.rate.observe(now)
-        view = self.admission.check(request, self.sim.view(), now)
-        if not isinstance(view, ClusterView):
+        ended = self.advance(now)
+        replica = self.router(request, self.sim.view(), now)
+        if replica is None:
             return ended, None, None
-        obs = self.encoder.encode(view, request, rate)
-        replica = view.replica_for(self.policy.choose(obs, request, view))
         self.sim.submit(request, replica)
-        left = self.encoder.budget(request)
+        left = self.router.encoder.budget(request)
         due = None if left is None else now + left.answer_s
         return ended, self.sim.replicas[replica].model, due
+
+    def advance(self, now: float) -> list[Finished]:
+        """Run the engines to `now`; what ended, which the router hears."""
+        ended = self.sim.advance(now)
+        self.router.served(ended)
+        return ended
 
 
 class CoSimulation:
@@ -349,5 +346,5 @@ class CoSimulation:
 
     def _tick(self, due: float, now: float) -> None:
         self._armed.discard(due)
-        self._ended(self.gateway.sim.advance(now))
+        self._ended(self.gateway.advance(now))
         self._arm()

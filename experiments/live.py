@@ -179,6 +179,7 @@ def run_live(
     admission: str = "none",
     connections: int = 4,
     server_flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> dict:
     """One run of the seed's experiments on a fresh live server (as the simulator resets its
     cluster): the workload `flags` describe, sent over HTTP/3 by the load generator with `policy`
@@ -187,12 +188,13 @@ def run_live(
     which at 48 req/s on paper-4gpu-sim is the margin between keeping up and not. Returns the
     load generator's record, with the share of a core the server's process used while it ran
     (`server_cores`: with `--workers` in `server_flags`, its whole process tree's); the server's
-    log lies beside `out`."""
+    log lies beside `out`. `env`: the server's own additions to the environment (its API keys,
+    which `flags` then send)."""
     server_policy, model = live_policy(policy)
     extra = ["--config", str(config), "--admission", admission, "--request-log", "off",
              *server_flags]  # fmt: skip
     log = out.with_suffix(".server.log")
-    with server(deployment, server_policy, log, extra=extra, ready_path="/readyz") as live:
+    with server(deployment, server_policy, log, extra=extra, ready_path="/readyz", env=env) as live:
         cpu = metric(live.url, "process_cpu_seconds_total")
         record = replay(
             f"https://127.0.0.1:{live.h3_port}",

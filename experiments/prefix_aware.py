@@ -36,14 +36,12 @@ import numpy as np
 
 from config import Deployment, load, load_deployment, resolve
 from experiments.output import write_csv
-from router.admission import admission_for
-from router.closed_loop import Route, run_closed_loop
+from router.closed_loop import run_closed_loop
 from router.evaluate import mean_reward
-from router.features import ArrivalRateEstimator
-from router.policies import Policy, encoder_for, make_policy
+from router.policies import Policy, make_policy
 from router.prefix import ModelThenReplica, PrefixAffinity
+from router.route import Router
 from router.sim import SHED, Finished, Simulator
-from router.view import ClusterView
 from serving.engines.prompts import PromptCounter, gateway_counter
 from workloads import Request
 from workloads.conversations import LMSYS_CHAT, SHAREGPT_16, conversations, seed003_prompts, turns
@@ -218,29 +216,10 @@ def paper_requests(count: PromptCounter, rate: float, duration: float, seed: int
     return out
 
 
-def paper_route(deployment: Deployment, name: str) -> Callable[[], Route]:
-    """A fresh router for one run: admission control (the deployment's rule), the arrival rate
-    estimate and the features, then the policy, as the gateway routes; "dqn+X": the DQN
-    chooses the model and X the replica (`ModelThenReplica`)."""
-
-    def make() -> Route:
-        policy = make_policy(deployment, name)
-        encoder = encoder_for(policy, deployment)
-        admission = admission_for(deployment)
-        rate = ArrivalRateEstimator()
-
-        def route(request: Request, view: ClusterView) -> int | None:
-            observed = rate.observe(request.arrival)
-            admitted = admission.check(request, view, request.arrival)
-            if not isinstance(admitted, ClusterView):
-                return None
-            obs = encoder.encode(admitted, request, observed)
-            return admitted.replica_for(policy.choose(obs, request, admitted))
-
-        route.policy = policy  # type: ignore[attr-defined]
-        return route
-
-    return make
+def paper_route(deployment: Deployment, name: str) -> Callable[[], Router]:
+    """A fresh router for one run, as the gateway routes (`router.route.Router`); "dqn+X": the
+    DQN chooses the model and X the replica (`ModelThenReplica`)."""
+    return lambda: Router(deployment, make_policy(deployment, name))
 
 
 def run_paper(
@@ -254,7 +233,7 @@ def run_paper(
         requests = paper_requests(count, rate, duration, seed)
         for name in policies:
             route = paper_route(deployment, name)()
-            policy = route.policy  # type: ignore[attr-defined]
+            policy = route.policy
             replica_policy = (
                 policy.replica_policy if isinstance(policy, ModelThenReplica) else policy
             )
@@ -262,7 +241,9 @@ def run_paper(
             if isinstance(replica_policy, PrefixAffinity) and replica_policy.precise:
                 hear = replica_policy.event
             sim = Simulator.from_deployment(deployment, on_kv_event=hear)
-            done = run_closed_loop(sim, route, requests, len(requests), None, seed, ordered=True)
+            done = run_closed_loop(
+                sim, route, requests, len(requests), None, seed, ordered=True, served=route.served
+            )
             ttft = [f.first_token - f.arrival for f in done if f.first_token is not None]
             batches = [r.batch for r in sim.replicas]
             rows.append({

@@ -38,9 +38,11 @@ def run_closed_loop(
     seed: int = 0,
     ordered: bool = False,
     progress: Callable[[int], object] | None = None,
+    served: Callable[[list[Finished]], object] | None = None,
 ) -> list[Finished]:
     """Send `requests` through `sim`, routed by `route`, at most `concurrency` at a time; every
-    request's end, in the order they ended. Each request's arrival is when it was sent."""
+    request's end, in the order they ended. Each request's arrival is when it was sent.
+    `served` hears every request that ends, as it does (`router.route.Router.served`)."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     rng = np.random.default_rng([seed, 7])
@@ -71,6 +73,8 @@ def run_closed_loop(
         done = sim.advance(until)
         in_flight -= len(done)
         finished += done
+        if served is not None and done:
+            served(done)
         for f in done:
             _next_turn(later, f.request, ready, sim.now, seq)
         if progress is not None and done:

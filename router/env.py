@@ -36,22 +36,24 @@ never terminated, because the cluster runs on past it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
 
-from config import Deployment
-from router.admission import Admission, admission_for
-from router.features import ArrivalRateEstimator, FeatureEncoder
+from config import DEFAULT_MAX_MODEL_LEN, Deployment
+from router.admission import Admission, Shed, admission_for
+from router.features import FeatureEncoder
 from router.paths import ClientPaths, PathDraw
+from router.route import Observer
 from router.sim import DEFAULT_PROMPT_TOKENS, OK, SHED, Finished, Simulator
 from router.view import ClusterView
 from workloads import Request
 from workloads.arrivals import ArrivalProcess, Poisson, SwitchingRate
 from workloads.generate import WorkloadSpec, requests
+from workloads.lengths import Lengths
 
 WorkloadSampler = Callable[[np.random.Generator], WorkloadSpec]
 
@@ -61,12 +63,16 @@ class RandomRates:
     """Training workloads, as in seed 004: each episode a Poisson rate drawn log-uniformly from
     `rates`, or (with probability `switching`) a rate that switches between levels in that range,
     so that the policy also sees load change under it. Tasks uniform; classes uniform over
-    `classes`, so that every class the gateway may see has been seen in training."""
+    `classes`, so that every class the gateway may see has been seen in training. With
+    `lengths`, each episode's request lengths are one of those distributions, drawn uniformly
+    (`workloads.lengths`), fitted to a `context`-token model; without, seed 004's."""
 
     rates: tuple[float, float] = (0.25, 48.0)
     switching: float = 0.5
     classes: tuple[str, ...] = ("free-tier",)
     mean_level_s: float = 10.0
+    lengths: tuple[Lengths, ...] = ()
+    context: int = DEFAULT_MAX_MODEL_LEN
 
     def __call__(self, rng: np.random.Generator) -> WorkloadSpec:
         lo, hi = np.log(self.rates[0]), np.log(self.rates[1])
@@ -76,7 +82,13 @@ class RandomRates:
             arrivals = SwitchingRate(levels=levels, mean_duration_s=self.mean_level_s)
         else:
             arrivals = Poisson(float(np.exp(rng.uniform(lo, hi))))
-        return WorkloadSpec(arrivals=arrivals, classes=dict.fromkeys(self.classes, 1.0))
+        classes = dict.fromkeys(self.classes, 1.0)
+        if not self.lengths:
+            return WorkloadSpec(arrivals=arrivals, classes=classes)
+        lengths = self.lengths[int(rng.integers(len(self.lengths)))]
+        return WorkloadSpec(
+            arrivals=arrivals, classes=classes, lengths=lengths, context=self.context, text=False
+        )
 
 
 class RoutingEnv(gym.Env[np.ndarray, np.int64]):
@@ -92,11 +104,14 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         credit: Literal["finish", "request"] = "finish",
         admission: Admission | None = None,
         encoder: FeatureEncoder | None = None,
+        admission_rules: Sequence[Literal["deadline", "none"]] = (),
     ) -> None:
         """`workloads` draws each episode's workload (default: RandomRates over the deployment's
         classes); `simulator` builds a fresh simulator per episode (default: the deployment's);
         `admission` decides what is shed (default: the deployment's rule); `encoder` builds the
-        observations (default: the deployment's layout)."""
+        observations (default: the deployment's layout); `admission_rules`, where given, one
+        drawn per episode instead (a fresh rule each), so that a policy learns to route both
+        with admission control and without."""
         self.deployment = deployment
         self.workloads = workloads or RandomRates(classes=tuple(deployment.qos_classes))
         self.episode_requests = episode_requests
@@ -107,6 +122,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self._routed_at: dict[str, int] = {}
         self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
         self.admission = admission or admission_for(deployment)
+        self.admission_rules = tuple(admission_rules)
         self.encoder = encoder or FeatureEncoder.for_deployment(deployment)
         self.models = deployment.models
         n_actions = len(self.models) if action == "model" else len(deployment.replicas)
@@ -134,7 +150,10 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         duration = options.get("duration")
         limit = options.get("requests", None if duration else self.episode_requests)
         self.sim = self._new_simulator()
-        self.rate = ArrivalRateEstimator()
+        if self.admission_rules:
+            rule = self.admission_rules[int(self.np_random.integers(len(self.admission_rules)))]
+            self.admission = admission_for(self.deployment.with_admission(rule))
+        self.observer = Observer(self.deployment, self.encoder, self.admission)
         self.finished = []
         self._routed_at = {}
         mix = self.deployment.paths
@@ -155,7 +174,8 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         last, before = self.request, len(self.finished)
         obs = self._arrive()
         if obs is None:  # the episode's last observation: the cluster as the last request left it
-            obs = self.encoder.encode(self.sim.view(), last, self.rate.value(self.sim.now))
+            rate = self.observer.rate.value(self.sim.now)
+            obs = self.observer.encode(self.sim.view(), last, rate)
             done = self.finished[before:] + (self.drain() if self.credit == "request" else [])
             return obs, *self._credit(done, step, truncated=True)
         return obs, *self._credit(self.finished[before:], step, truncated=False)
@@ -183,18 +203,19 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
             if self.paths is not None:
                 draw = self._draws[request.request_id] = self.paths.draw()
                 request = replace(request, path=self.paths.estimates[draw.name])
-            # Shed requests count in the rate, as in the gateway, which observes before it sheds.
-            rate = self.rate.observe(request.arrival)
-            admitted = self.admission.check(request, self.sim.view(), request.arrival)
-            if isinstance(admitted, ClusterView):
-                self.request, self._admitted = request, admitted
-                return self.encoder.encode(admitted, request, rate)
+            seen = self.observer.observe(request, self.sim.view())
+            if not isinstance(seen, Shed):
+                obs, self._admitted = seen
+                self.request = request
+                return obs
             self._draws.pop(request.request_id, None)
             self.finished.append(Finished.shed(request))
         return None
 
     def _delivered(self, done: list[Finished]) -> list[Finished]:
-        """`done`, each answer delivered over its client's path where paths are modelled."""
+        """`done`, each answer delivered over its client's path where paths are modelled, and
+        taught to the output predictor, as the gateway teaches it what it served."""
+        self.observer.served(done)
         if self.paths is None:
             return done
         for f in done:

@@ -16,7 +16,9 @@ from config import Deployment
 from router.env import RandomRates, RoutingEnv
 from router.policies import Policy, QualityThreshold, encoder_for
 from router.sim import DEADLINE, OK, SHED, Finished, Simulator
+from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
+from workloads.lengths import Lengths
 from workloads.metrics import Outcome
 
 
@@ -84,12 +86,27 @@ def mean_reward(deployment: Deployment, finished: Sequence[Finished]) -> float:
 
 
 def training_workloads(
-    deployment: Deployment, episodes: int, seed: int
+    deployment: Deployment, episodes: int, seed: int, lengths: Sequence[Lengths] = ()
 ) -> list[tuple[WorkloadSpec, int]]:
-    """(workload, its seed) for `episodes` episodes like the training ones (RandomRates)."""
+    """(workload, its seed) for `episodes` episodes like the training ones (RandomRates), with
+    request lengths from `lengths` (none: seed 004's)."""
     rng = np.random.default_rng(seed)
-    sampler = RandomRates(classes=tuple(deployment.qos_classes))
+    sampler = training_sampler(deployment, lengths)
     return [(sampler(rng), int(rng.integers(2**31))) for _ in range(episodes)]
+
+
+def training_sampler(
+    deployment: Deployment,
+    lengths: Sequence[Lengths] = (),
+    rates: tuple[float, float] = (0.25, 48.0),
+) -> RandomRates:
+    """The training workloads on `deployment`: every class of its, its context."""
+    return RandomRates(
+        rates=rates,
+        classes=tuple(deployment.qos_classes),
+        lengths=tuple(lengths),
+        context=deployment.max_model_len,
+    )
 
 
 VALIDATION_SEED = 10_000
@@ -115,6 +132,57 @@ def validation_reward(
     return mean_reward(deployment, finished)
 
 
+GRID_RATES = (1.0, 4.0, 16.0, 48.0)
+"""The rates a policy is judged at across lengths (experiments.lengths) and validated at."""
+
+
+GUARD_RATES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 48.0)
+
+
+def guard_rewards(deployment: Deployment, policy: Policy) -> np.ndarray:
+    """Mean reward at each of GUARD_RATES on seed 004's workload (Poisson, its lengths, one
+    class), without admission control, as its Figure 4 runs: 400 s of arrivals (40 s from 8
+    req/s on), from the validation seed, not those the experiments report on."""
+    rewards = []
+    for k, rate in enumerate(GUARD_RATES):
+        spec = WorkloadSpec(arrivals=Poisson(rate))
+        done = simulate(deployment.with_admission("none"), policy, spec, VALIDATION_SEED + k,
+                        duration=40.0 if rate >= 8 else 400.0)  # fmt: skip
+        rewards.append(mean_reward(deployment, done))
+    return np.array(rewards)
+
+
+def grid_workload(deployment: Deployment, lengths: Lengths, rate: float) -> WorkloadSpec:
+    """Poisson arrivals at `rate`, every class of the deployment alike, `lengths`' lengths."""
+    return WorkloadSpec(
+        arrivals=Poisson(rate),
+        classes=dict.fromkeys(deployment.qos_classes, 1.0),
+        lengths=lengths,
+        context=deployment.max_model_len,
+        text=False,
+    )
+
+
+def grid_reward(
+    deployment: Deployment,
+    policy: Policy,
+    lengths: Sequence[Lengths],
+    episode_requests: int = 1000,
+    simulator: Callable[[], Simulator] | None = None,
+    rates: Sequence[float] = GRID_RATES,
+) -> float:
+    """Mean reward on a grid: one episode of each distribution of `lengths` at each rate
+    (Poisson, every class alike), each episode's mean reward weighing the same, so that a
+    light load counts as much as a heavy one, and a short prompt as a long one."""
+    rewards = []
+    for k, (each, rate) in enumerate(itertools.product(lengths, rates)):
+        spec = grid_workload(deployment, each, rate)
+        done = simulate(deployment, policy, spec, VALIDATION_SEED + k,
+                        requests=episode_requests, simulator=simulator)  # fmt: skip
+        rewards.append(mean_reward(deployment, done))
+    return float(np.mean(rewards))
+
+
 @dataclass(frozen=True)
 class TuneResult:
     thresholds: dict[str, int]
@@ -133,15 +201,16 @@ def tune_threshold(
     seed: int = 0,
     grid: Sequence[int] = THRESHOLD_GRID,
     progress: Callable[[int], object] | None = None,
+    lengths: Sequence[Lengths] = (),
 ) -> TuneResult:
     """Grid-search QualityThreshold's per-model thresholds on training workloads (RandomRates,
-    drawn from `seed`), every candidate on the same episodes. The lowest-quality model is the
-    last resort and keeps no threshold of its own."""
+    drawn from `seed`, with request lengths from `lengths`), every candidate on the same
+    episodes. The lowest-quality model is the last resort and keeps no threshold of its own."""
     ranked = sorted(
         deployment.models, key=lambda m: -np.mean([row[m] for row in deployment.quality.values()])
     )
     tuned = ranked[:-1]
-    workloads = training_workloads(deployment, episodes, seed)
+    workloads = training_workloads(deployment, episodes, seed, lengths)
     table = []
     for values in itertools.product(grid, repeat=len(tuned)):
         thresholds = dict(zip(tuned, values, strict=True))

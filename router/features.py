@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from config import Deployment
+from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.admission import OUTPUT_TOKENS_WITHOUT_MAX, assumed_output_tokens
 from router.paths import Budget, budget, spent
 from router.sim import DEFAULT_PROMPT_TOKENS
@@ -23,6 +23,12 @@ LOSS_SCALE = 0.1
 """...and its loss in tenths; both capped at `PATH_CAP`, so that no measurement, however wild,
 takes the network far outside what it was trained on."""
 PATH_CAP = 10.0
+
+TOKEN_SCALE = 512.0
+"""A request's lengths enter the observation in units of 512 tokens..."""
+TOKEN_CAP = 4.0
+"""...capped at 4 (2,048 tokens, OPT's whole context): a longer context reads as the longest
+the policy was trained on."""
 
 
 class ArrivalRateEstimator:
@@ -57,9 +63,56 @@ class ArrivalRateEstimator:
         return self._level * math.exp(-max(0.0, now - self._last) / self.horizon_s)
 
 
+class OutputPredictor:
+    """How long a request's answer will run, from what it asks (its task, class and max_tokens),
+    learned from what the replicas served: per task, class and max_tokens (by its power of two,
+    or none), a moving average of the output tokens served, never above what the request may
+    get. Before a request of its kind has been served: its max_tokens, or, without one,
+    OUTPUT_TOKENS_WITHOUT_MAX.
+
+    The simulator's episodes and the gateway each keep one and teach it every request served
+    whole (`observe`); the DQN sees its `predict` (`FeatureEncoder.encode`'s `expected`)."""
+
+    def __init__(self, context: int = DEFAULT_MAX_MODEL_LEN, weight: float = 0.1) -> None:
+        """`context`: the model's, all of which a request without max_tokens may take;
+        `weight`: of one served request in its kind's average (about the last 10 count)."""
+        self.context = context
+        self.weight = weight
+        self._mean: dict[tuple[str | None, str, int], float] = {}
+
+    @staticmethod
+    def _kind(request: Request) -> tuple[str | None, str, int]:
+        asked = request.max_tokens
+        return request.task, request.qos_class, 0 if asked is None else max(1, asked).bit_length()
+
+    def predict(self, request: Request) -> float:
+        most = max_output_tokens(request, self.context)
+        mean = self._mean.get(self._kind(request))
+        if mean is None:
+            mean = OUTPUT_TOKENS_WITHOUT_MAX if request.max_tokens is None else most
+        return min(mean, most)
+
+    def observe(self, request: Request, tokens: int) -> None:
+        """`request` was served whole: `tokens` output tokens."""
+        kind = self._kind(request)
+        mean = self._mean.get(kind)
+        self._mean[kind] = tokens if mean is None else mean + self.weight * (tokens - mean)
+
+
+def max_output_tokens(request: Request, context: int) -> int:
+    """The output a request may get: its max_tokens, or, where it sets none, the deployment's
+    default, which is vLLM's: all the context its prompt leaves."""
+    if request.max_tokens is not None:
+        return max(1, request.max_tokens)
+    return max(1, context - (request.prompt_tokens or DEFAULT_PROMPT_TOKENS))
+
+
 class FeatureEncoder:
     """obs = [running requests per replica / batch_scale] + one-hot(task) + [rate / rate_scale]
-    + one-hot(QoS class), and, for a network-aware layout (`paths`), the request's path and
+    + one-hot(QoS class); for a layout that reads the request (`token_scale`), its lengths in
+    units of `token_scale` tokens, each capped at TOKEN_CAP: [prompt tokens, max_tokens (the
+    deployment's default where it sets none, `max_output_tokens`), expected output tokens
+    (`OutputPredictor`)]; and, for a network-aware layout (`paths`), the request's path and
     what it takes of the request's budget: [RTT, loss, first-token budget taken, SLO budget
     taken]. An unknown or missing task encodes as all zeros.
 
@@ -79,9 +132,13 @@ class FeatureEncoder:
         rate_scale: float = 48.0,
         paths: dict[str, float] | None = None,
         tpot_s: float = 0.04,
+        token_scale: float | None = None,
+        context: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         """`paths`: QoS class -> first-token deadline, for a network-aware layout (None: the
-        network-blind one); `tpot_s`: the SLO's time per output token."""
+        network-blind one); `tpot_s`: the SLO's time per output token; `token_scale`: read the
+        request's lengths, in these units (None: not, the layout of the policies before);
+        `context`: the model's, for max_tokens' default."""
         self.replicas = list(replicas)
         self.tasks = {t: i for i, t in enumerate(tasks)}
         self.qos_classes = {c: i for i, c in enumerate(qos_classes)}
@@ -89,15 +146,21 @@ class FeatureEncoder:
         self.rate_scale = rate_scale
         self.deadlines = paths
         self.tpot_s = tpot_s
+        self.token_scale = token_scale
+        self.context = context
         self.size = len(self.replicas) + len(self.tasks) + 1 + len(self.qos_classes)
+        self.lengths_at = self.size
+        if token_scale is not None:
+            self.size += 3
         self.path_at = self.size
         if paths is not None:
             self.size += 4
 
     @classmethod
     def for_deployment(cls, deployment: Deployment) -> FeatureEncoder:
-        """The one layout for a deployment, built the same by the simulator and the gateway:
-        network-aware where its clients come over a path mix."""
+        """The one layout for a deployment, built the same by the simulator and the gateway: it
+        reads the request's lengths, and is network-aware where its clients come over a path
+        mix."""
         deadlines = None
         if deployment.paths is not None:
             deadlines = {n: c.deadline_s for n, c in deployment.qos_classes.items()}
@@ -107,12 +170,25 @@ class FeatureEncoder:
             list(deployment.qos_classes),
             paths=deadlines,
             tpot_s=deployment.slo.tpot_s,
+            token_scale=TOKEN_SCALE,
+            context=deployment.max_model_len,
         )
 
+    @property
+    def reads_lengths(self) -> bool:
+        """Whether `encode` wants the request's expected output (else it is not computed)."""
+        return self.token_scale is not None
+
     def encode(
-        self, view: ClusterView, request: Request, rate: float, elapsed_s: float = 0.0
+        self,
+        view: ClusterView,
+        request: Request,
+        rate: float,
+        elapsed_s: float = 0.0,
+        expected: float | None = None,
     ) -> np.ndarray:
-        """`elapsed_s`: since the request arrived at the server."""
+        """`elapsed_s`: since the request arrived at the server; `expected`: its output tokens,
+        as `OutputPredictor.predict` has them (None: its max_tokens, or their default)."""
         obs = np.zeros(self.size, dtype=np.float32)
         n = len(self.replicas)
         for i, replica in enumerate(view.replicas):
@@ -123,6 +199,13 @@ class FeatureEncoder:
         obs[at] = rate / self.rate_scale
         if request.qos_class in self.qos_classes:
             obs[at + 1 + self.qos_classes[request.qos_class]] = 1.0
+        if self.token_scale is not None:
+            prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
+            most = max_output_tokens(request, self.context)
+            scale, at = self.token_scale, self.lengths_at
+            obs[at] = min(TOKEN_CAP, prompt / scale)
+            obs[at + 1] = min(TOKEN_CAP, most / scale)
+            obs[at + 2] = min(TOKEN_CAP, (most if expected is None else expected) / scale)
         if self.deadlines is not None:
             self._encode_path(obs, request, elapsed_s)
         return obs

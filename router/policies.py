@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from config import Deployment
+from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.features import FeatureEncoder
 from router.prefix import ModelThenReplica, PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
@@ -170,10 +170,14 @@ class DqnPolicy:
             meta.get("rate_scale", 48.0),
             meta.get("path_deadlines"),
             meta.get("tpot_s", 0.04),
+            meta.get("token_scale"),
+            meta.get("context", DEFAULT_MAX_MODEL_LEN),
         )
         """The observation layout it was trained on; the gateway encodes with this one, so a task
         or class added to models.yaml later reaches the network as "none of those it knows". A
-        network-aware policy (trained with a path mix) adds its requests' paths and budgets."""
+        policy that reads the request's lengths records their scale (`token_scale`; those
+        trained before do not); a network-aware one (trained with a path mix) adds its
+        requests' paths and budgets."""
 
     def q_values(self, obs: np.ndarray) -> np.ndarray:
         x = obs
@@ -210,7 +214,12 @@ class DqnPolicy:
     def check_fits(self, deployment: Deployment) -> None:
         """Raise unless the deployment has the replicas and models this policy was trained on.
         Tasks and classes may differ: unknown ones encode as zeros (FeatureEncoder)."""
-        layout = {"replicas": [r.name for r in deployment.replicas], "models": deployment.models}
+        layout: dict[str, object] = {
+            "replicas": [r.name for r in deployment.replicas],
+            "models": deployment.models,
+        }
+        if self.encoder.reads_lengths:  # max_tokens' default, which it reads, is the context's
+            layout["context"] = deployment.max_model_len
         for key, want in layout.items():
             if self.meta.get(key) != want:
                 raise ValueError(

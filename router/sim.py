@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from config import Deployment, Slo
+from config import DEFAULT_MAX_MODEL_LEN, Deployment, Slo
 from config.schema import ProfileModel
 from router.kv_cache import Hold, KvCache
 from router.paths import NetworkTime
@@ -88,7 +88,7 @@ class Job:
     deadline: float
     """No first token by then: the gateway gives up on it (inf: the engine does not know one)."""
     tokens: int
-    """Output tokens it will get at most: its max_tokens, at least 1."""
+    """Output tokens it will generate (`output_tokens`)."""
     remaining: int
     first_token: float | None = None
     prefill: int = 0
@@ -99,6 +99,16 @@ class Job:
     cached_tokens: int = 0
     """Prompt tokens it found cached when last admitted."""
     preempted: bool = False
+
+
+def output_tokens(request: Request, max_model_len: int) -> int:
+    """What an engine generates for `request`: its answer, cut at max_tokens, where no
+    max_tokens is all the context its prompt leaves (vLLM's default); at least one token."""
+    prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
+    tokens = request.max_tokens if request.max_tokens is not None else max_model_len - prompt
+    if request.answer_tokens is not None:
+        tokens = min(tokens, request.answer_tokens)
+    return max(1, tokens)
 
 
 def step_time(profile: ProfileModel, batch: int) -> float:
@@ -349,12 +359,14 @@ class Simulator:
         kv: Sequence[tuple[int, int] | None] | None = None,
         max_batched_tokens: int | None = None,
         on_kv_event: Callable[[int, str, list[int]], None] | None = None,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         """`replicas`: (name, model, device) each; `profiles`: model -> its latency profile;
         `deadlines`: QoS class -> first-token deadline in seconds (a class not named has none);
         `kv`: per replica, its KV cache as (tokens, block size), or None for none (the default
         for all); `max_batched_tokens`: vLLM's token budget per iteration (None: no limit);
-        `on_kv_event(replica, kind, hashes)` hears the caches' stored and removed blocks."""
+        `on_kv_event(replica, kind, hashes)` hears the caches' stored and removed blocks;
+        `max_model_len`: the context, all of which a request without max_tokens may take."""
         missing = sorted({m for _, m, _ in replicas} - set(profiles))
         if missing:
             raise ValueError(f"no latency profile for model(s): {', '.join(missing)}")
@@ -381,6 +393,7 @@ class Simulator:
             self.replicas.append(_Replica(n, m, d, batch))
         self.devices = Devices(interference)
         self.slo = slo
+        self.max_model_len = max_model_len
         self.deadlines = deadlines or {}
         self.now = 0.0
         self.on_tokens: Callable[[list[Job]], None] | None = None
@@ -406,6 +419,7 @@ class Simulator:
         budget = deployment.engine_arg("max_num_batched_tokens")
         if budget is not None:
             kwargs.setdefault("max_batched_tokens", budget)
+        kwargs.setdefault("max_model_len", deployment.max_model_len)
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)
 
     def view(self) -> ClusterView:
@@ -419,7 +433,7 @@ class Simulator:
     def submit(self, request: Request, replica: int) -> None:
         """Queue `request` at `replica` at the current time (its arrival, for the SLO)."""
         r = self.replicas[replica]
-        tokens = max(1, request.max_tokens or 1)
+        tokens = output_tokens(request, self.max_model_len)
         deadline = self.now + self.deadlines.get(request.qos_class, float("inf"))
         r.batch.add(Job(request, self.now, deadline, tokens, tokens))
         if r.busy_until is None:

@@ -18,9 +18,9 @@ import random
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch as th
@@ -29,11 +29,12 @@ from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from router.env import RandomRates, RoutingEnv
-from router.evaluate import validation_reward
+from router.env import RoutingEnv
+from router.evaluate import grid_reward, guard_rewards, training_sampler, validation_reward
 from router.policies import DqnPolicy
 from router.sim import Simulator
 from router.stale import StaleSimulator
+from workloads.lengths import TRAINING, Lengths, named
 
 HYPERPARAMETERS: dict[str, Any] = {
     "learning_rate": 1e-4,
@@ -179,31 +180,68 @@ class Validation:
         self,
         deployment: Deployment,
         simulators: Callable[[], Callable[[], Simulator]] | None = None,
+        lengths: Sequence[Lengths] = (),
+        admission_rules: Sequence[Literal["deadline", "none"]] = (),
+        guard: DqnPolicy | None = None,
     ) -> None:
         """`simulators()`: each validation's simulators, the same sequence every time (default:
-        the deployment's, with exact views)."""
+        the deployment's, with exact views); `lengths`: the request lengths training draws
+        from, validated on a grid of them by rate (`router.evaluate.grid_reward`; none: six
+        episodes of seed 004's lengths at random rates); `admission_rules`: those training
+        draws from, the validation run under each (none: the deployment's); `guard`: a policy
+        the one picked must not fall behind on seed 004's workload (`router.evaluate.guard_margin`)
+        by more than GUARD_MARGIN, where any checkpoint keeps to that."""
         self.deployment = deployment
         self.simulators = simulators
+        self.lengths = tuple(lengths)
+        self.admission_rules = tuple(admission_rules)
+        self.guard = guard
+        self._guarded = guard_rewards(deployment, guard) if guard is not None else None
         self.evaluations: list[tuple[int, float]] = []
+        self.margins: list[tuple[int, float]] = []
+        """Per validated step, its worst margin over the guard on seed 004's workload."""
         self.best: tuple[float, int, DqnPolicy] | None = None
+        self._best_any: tuple[float, int, DqnPolicy] | None = None
 
     def record(self, step: int, policy: DqnPolicy) -> float:
         simulator = self.simulators() if self.simulators is not None else None
-        reward = validation_reward(self.deployment, policy, simulator=simulator)
+        deployments = [self.deployment.with_admission(r) for r in self.admission_rules]
+        rewards = []
+        for deployment in deployments or [self.deployment]:
+            if self.lengths:
+                rewards.append(grid_reward(deployment, policy, self.lengths, simulator=simulator))
+            else:
+                rewards.append(validation_reward(deployment, policy, simulator=simulator))
+        reward = float(np.mean(rewards))
         self.evaluations.append((step, reward))
-        if self.best is None or reward > self.best[0]:
+        if self._best_any is None or reward > self._best_any[0]:
+            self._best_any = (reward, step, policy)
+        kept = True
+        if self._guarded is not None:
+            margin = float(np.min(guard_rewards(self.deployment, policy) - self._guarded))
+            self.margins.append((step, round(margin, 4)))
+            kept = margin >= -GUARD_MARGIN
+        if kept and (self.best is None or reward > self.best[0]):
             self.best = (reward, step, policy)
         return reward
 
     def save(self, path: Path, meta: dict[str, Any]) -> DqnPolicy:
         """Write the best policy, with `meta` and the validation record, to `path`."""
-        assert self.best is not None, "nothing was validated"
+        if self.best is None:
+            assert self._best_any is not None, "nothing was validated"
+            print("warning: no checkpoint keeps to the guard; the best is picked regardless",
+                  file=sys.stderr)  # fmt: skip
+            self.best = self._best_any
         reward, step, best = self.best
         meta = meta | {
             "selected_step": step,
             "validation_reward": round(reward, 4),
             "validation": self.evaluations,
         }
+        if self.guard is not None:
+            meta["guard"] = {"margin": GUARD_MARGIN, "worst_margins": self.margins,
+                             "policy": self.guard.meta.get("trained_by")
+                             or self.guard.meta.get("command")}  # fmt: skip
         policy = DqnPolicy(best.layers, best.meta | meta)
         path.parent.mkdir(parents=True, exist_ok=True)
         policy.save(path)
@@ -270,11 +308,12 @@ def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: 
 def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
     return RoutingEnv(
         deployment,
-        RandomRates(rates=(args.min_rate, args.max_rate), classes=tuple(deployment.qos_classes)),
+        training_sampler(deployment, named(args.lengths), (args.min_rate, args.max_rate)),
         episode_requests=args.episode_requests,
         action=args.action,
         credit="request",
         simulator=stale_simulators(deployment, args) if args.stale_ms else None,
+        admission_rules=args.admission_rules,
     )
 
 
@@ -314,6 +353,11 @@ def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, 
             "rate_scale": encoder.rate_scale,
         }
         | (
+            {"token_scale": encoder.token_scale, "context": encoder.context}
+            if encoder.reads_lengths
+            else {}
+        )
+        | (
             {"path_deadlines": encoder.deadlines, "tpot_s": encoder.tpot_s}
             if encoder.deadlines is not None
             else {}
@@ -351,6 +395,8 @@ def plot_curve(
 def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     th.set_num_threads(args.threads)
     args.logdir.mkdir(parents=True, exist_ok=True)
+    if not args.resume or not (args.logdir / TRAINED_BY).exists():
+        (args.logdir / TRAINED_BY).write_text(_command() + "\n")
     env = make_env(deployment, args)
     found = _checkpoints(args.logdir / "checkpoints") if args.resume else []
     checkpoint = found[-1] if found else None
@@ -384,7 +430,13 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]
-    validation = Validation(deployment, _validation_simulators(deployment, args))
+    validation = Validation(
+        deployment,
+        _validation_simulators(deployment, args),
+        named(args.lengths),
+        args.admission_rules,
+        DqnPolicy.load(args.guard) if args.guard is not None else None,
+    )
     best = BestPolicy(validation, env, args.eval_every)
     callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
     if args.checkpoint_every:
@@ -421,7 +473,13 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     found = _checkpoints(args.logdir / "checkpoints")
     if not found:
         raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
-    validation = Validation(deployment, _validation_simulators(deployment, args))
+    validation = Validation(
+        deployment,
+        _validation_simulators(deployment, args),
+        named(args.lengths),
+        args.admission_rules,
+        DqnPolicy.load(args.guard) if args.guard is not None else None,
+    )
     for path in found:
         policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
         reward = validation.record(_step(path), policy)
@@ -446,6 +504,7 @@ def _validation_simulators(
 
 
 VALIDATION_STALE_SEED = 20_261_128
+GUARD_MARGIN = 0.005
 
 
 def _meta(
@@ -460,12 +519,36 @@ def _meta(
         "stale_view": {"routers": args.routers, "staleness_ms": args.stale_ms}
         if args.stale_ms
         else None,
-        "command": " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])]),
+        "command": _command(),
+        # The run that trained it, where the command picked among its checkpoints afterwards.
+        "trained_by": _trained_by(args.logdir),
         # The rewards it learned from: a policy trained on another table is stale.
         "quality": deployment.quality,
         "quality_source": deployment.quality_source,
         "hyperparameters": _hyperparameters(HYPERPARAMETERS | {"learning_starts": learning_starts}),
+        # What it was trained on: the lengths it knows, and the load.
+        "training": {
+            "rates": [args.min_rate, args.max_rate],
+            "classes": list(deployment.qos_classes),
+            "context": deployment.max_model_len,
+            "admission": args.admission_rules or [deployment.admission.rule],
+            "lengths": {d.name: d.describe() for d in named(args.lengths)}
+            or {"seed": "seed 004's (no --lengths)"},
+        },
     }
+
+
+def _command() -> str:
+    return " ".join(["python -m router.train", *map(shlex.quote, sys.argv[1:])])
+
+
+def _trained_by(logdir: Path) -> str:
+    """The command of the training run whose logs are in `logdir` (`train` writes it there)."""
+    written = logdir / TRAINED_BY
+    return written.read_text().strip() if written.exists() else _command()
+
+
+TRAINED_BY = "command.txt"
 
 
 def _hyperparameters(hyperparameters: dict[str, Any]) -> dict[str, Any]:
@@ -506,6 +589,22 @@ def build_parser() -> argparse.ArgumentParser:
         "a snapshot refreshed every one of these ms, drawn per episode (e.g. 0,10,50,100,250)",
     )
     parser.add_argument("--routers", type=int, default=2, help="with --stale-ms")
+    parser.add_argument(
+        "--lengths",
+        type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
+        default=[d.name for d in TRAINING],
+        metavar="NAMES",
+        help="request length distributions, one drawn per episode (workloads.lengths; default: "
+        f"{','.join(d.name for d in TRAINING)}); an empty string: seed 004's alone, as before",
+    )
+    parser.add_argument(
+        "--admission-rules",
+        type=lambda text: [r.strip() for r in text.split(",") if r.strip()],
+        default=["deadline", "none"],
+        metavar="RULES",
+        help="admission control, one rule drawn per episode (default: deadline,none, so that "
+        "the policy routes well with it and without); an empty string: the deployment's own",
+    )
     parser.add_argument("--min-rate", type=float, default=0.25)
     parser.add_argument("--max-rate", type=float, default=48.0)
     parser.add_argument("--out", type=Path, help="default: router/policies/<deployment>.npz")
@@ -532,6 +631,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train nothing: validate the checkpoints in --logdir and save the best to --out",
     )
     parser.add_argument(
+        "--guard",
+        type=Path,
+        metavar="NPZ",
+        help="pick the best validated network among those that do not fall behind "
+        f"this policy by more than {GUARD_MARGIN} on seed 004's workload at any rate "
+        "(router.evaluate.guard_rewards): the one a new policy replaces",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int,
         default=100_000,
@@ -549,6 +656,12 @@ def main() -> int:
         parser.error(str(exc))
     if deployment.profile is None:
         parser.error(f"deployment {deployment.name!r} names no latency profile to simulate")
+    try:
+        named(args.lengths)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if unknown := set(args.admission_rules) - {"deadline", "none"}:
+        parser.error(f"--admission-rules: unknown {', '.join(sorted(unknown))} (deadline, none)")
     if args.steps <= 0 or args.episode_requests <= 0 or not 0 < args.min_rate <= args.max_rate:
         parser.error("--steps, --episode-requests > 0 and 0 < --min-rate <= --max-rate, please")
     package = Path(__file__).resolve().parent

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 from functools import partial
+from pathlib import Path
 
 from config import ConfigError, Deployment
 from router.policies import POLICIES
@@ -44,6 +45,13 @@ def main() -> int:
         type=_policy_name,
         help="override the deployment's: one of " + ", ".join(sorted(POLICIES)) + ", or A+B "
         "(A chooses the model, B its replica: dqn+prefix-precise)",
+    )
+    parser.add_argument(
+        "--policy-file",
+        type=Path,
+        metavar="NPZ",
+        help="route with this trained DQN in place of the deployment's (policy.path and "
+        "net_path): to compare two policies live on one deployment",
     )
     parser.add_argument(
         "--paths",
@@ -94,6 +102,8 @@ def main() -> int:
             deployment = deployment.with_admission(args.admission)
         if args.time_scale is not None:
             deployment = deployment.with_time_scale(args.time_scale)
+        if args.policy_file is not None:
+            deployment = deployment.with_policy_file(args.policy_file)
     except ConfigError as exc:
         parser.error(str(exc))
     if args.worker_index is None and (args.workers > 1 or args.separate_engines):

@@ -16,7 +16,7 @@ from typing import NamedTuple, NoReturn
 
 from config import Deployment, Limits
 from router.admission import Admission, Expected, Shed, admission_for, assumed_output_tokens
-from router.features import ArrivalRateEstimator
+from router.features import ArrivalRateEstimator, OutputPredictor
 from router.policies import Policy, encoder_for
 from router.view import ClusterView
 from serving import outcomes
@@ -28,7 +28,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from serving.engines.prompts import DEFAULT_MAX_MODEL_LEN, PromptCounter
+from serving.engines.prompts import PromptCounter
 from serving.key_limits import KeyLimiter, OverLimit, SharedAccounts
 from serving.metrics import Metrics
 from serving.outcomes import RequestRecord
@@ -142,9 +142,10 @@ class Gateway:
         self.counter: PromptCounter | None = None
         """Counts each prompt's tokens and hashes its blocks before admission control and the
         router see it (`serving.app` loads it as the engines start); None: not counted."""
-        self.max_model_len = max(
-            r.engine_int("max_model_len", DEFAULT_MAX_MODEL_LEN) for r in deployment.replicas
-        )
+        self.max_model_len = deployment.max_model_len
+        self.predictor = OutputPredictor(self.max_model_len)
+        """What the router expects of each request's output, taught by every request served
+        whole here, as the simulator's episodes teach theirs."""
 
     async def start(
         self,
@@ -260,8 +261,12 @@ class Gateway:
         if model != AUTO and model not in self.deployment.models:
             return None
         now = self.clock()
-        # The prompt is not needed: `start` does not count its tokens either.
-        request = Request(record.request_id or "", record.arrival, "", max_tokens, record.qos_class)
+        # Its prompt is not counted yet: taken as one token, the door sheds only what no prompt
+        # could make in time, and `start` checks again with the count.
+        request = Request(
+            record.request_id or "", record.arrival, "", max_tokens, record.qos_class,
+            prompt_tokens=1,
+        )  # fmt: skip
         if self.deadline(request) <= now:
             return None
         view = self.replicas.view(None if model == AUTO else model)
@@ -343,11 +348,14 @@ class Gateway:
         )
 
     def _route(self, request: Request, model: str, rate: float, view: ClusterView) -> int:
+        # The expected output is the predictor's, outside the decision's time (reported apart).
+        expected = self.predictor.predict(request) if self.encoder.reads_lengths else None
         started = time.perf_counter()
         if model != AUTO:
             index = view.least_loaded(model)
         else:
-            obs = self.encoder.encode(view, request, rate, self.clock() - request.arrival)
+            elapsed = self.clock() - request.arrival
+            obs = self.encoder.encode(view, request, rate, elapsed, expected)
             index = view.replica_for(self.policy.choose(obs, request, view))
             self.metrics.route.observe(time.perf_counter() - started)
         assert index is not None
@@ -559,8 +567,10 @@ class Generation:
         record = self.record
         record.first_token, record.last_token = self._first_at, self._last_at
         record.prompt_tokens, record.tokens = self.prompt_tokens, self.completion_tokens
-        if outcome == outcomes.OK and (tpot := record.tpot_s) is not None:
-            self._feedback.pace(tpot)
+        if outcome == outcomes.OK:
+            self.gateway.predictor.observe(self.request, self.completion_tokens)
+            if (tpot := record.tpot_s) is not None:
+                self._feedback.pace(tpot)
         slo_met = (
             outcome == outcomes.OK
             and self._last_at is not None

@@ -131,6 +131,9 @@ class GenerateRequest(BaseModel):
     # Extensions.
     ignore_eos: bool = False
     """vLLM's extension: generate exactly max_tokens."""
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    """vLLM's extension: no end of sequence before this many tokens (a replay of recorded
+    answers sends their lengths; the twin's model ends its answer there)."""
     task: str | None = None
     """Which task of the quality table the request belongs to; the router uses it."""
 
@@ -157,6 +160,7 @@ class GenerateRequest(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
         )
 
     @property

@@ -263,6 +263,12 @@ BAD_INPUTS = {
         400,
         "invalid_value",
     ),
+    "min_tokens negative": (
+        "/v1/chat/completions",
+        {"messages": HELLO, "min_tokens": -1},
+        400,
+        "invalid_value",
+    ),
     "max_tokens negative": (
         "/v1/completions",
         {"prompt": "x", "max_tokens": -5},

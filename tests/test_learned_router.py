@@ -58,7 +58,8 @@ def test_rewards_credit_every_finished_request_exactly_once() -> None:
 
 
 def test_a_short_training_run_beats_random_routing(tmp_path: Path) -> None:
-    flags = "--steps 12000 --learning-starts 2000 --seed 0 --no-progress --checkpoint-every 0"
+    flags = "--steps 12000 --learning-starts 2000 --seed 0 --no-progress --checkpoint-every 0 "
+    flags += "--lengths seed"  # the lengths it is scored on: 12,000 steps learn one
     out = ["--out", str(tmp_path / "p.npz"), "--logdir", str(tmp_path / "log")]
     args = build_parser().parse_args(flags.split() + out)
     policy = train(args, PAPER)

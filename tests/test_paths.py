@@ -183,7 +183,7 @@ def test_the_slo_is_met_or_missed_at_the_client() -> None:
 
 def test_a_network_blind_policy_routes_a_deployment_with_paths_on_its_own_layout() -> None:
     blind = DqnPolicy.load(PAPER.policy.path or "")
-    assert encoder_for(blind, PAPER_MIXED).size == FeatureEncoder.for_deployment(PAPER).size
+    assert encoder_for(blind, PAPER_MIXED) is blind.encoder and blind.encoder.deadlines is None
     done = simulate(PAPER_MIXED, blind, WorkloadSpec(arrivals=Poisson(4)), seed=0, duration=20)
     assert done and all(f.network is not None for f in done if f.outcome == OK)
 
@@ -201,7 +201,7 @@ def test_a_network_aware_policy_starts_from_the_blind_one() -> None:
     model = DQN("MlpPolicy", env, policy_kwargs={"net_arch": [256, 256]}, device="cpu")
     start_from(model, blind, PAPER_MIXED, only_new=True)
     aware = export(model, PAPER_MIXED, env, {})
-    assert aware.encoder.size == blind.encoder.size + 4
+    assert aware.encoder.size == FeatureEncoder.for_deployment(PAPER_MIXED).size
     idle = ClusterView(tuple(ReplicaState(r.name, r.model, n, True) for n, r in
                              zip(range(12), PAPER.replicas, strict=True)))  # fmt: skip
     for path in [None, *map(estimate_of, MIX.paths.values())]:

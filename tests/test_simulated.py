@@ -93,6 +93,20 @@ async def test_without_ignore_eos_a_request_may_end_early(engine: SimulatedEngin
     assert sum(d.tokens for d in deltas) < 2000
 
 
+async def test_min_tokens_ends_the_twins_answer_there(engine: SimulatedEngine) -> None:
+    # A replay of recorded answers sends each one's length as min_tokens (workloads.replay).
+    deltas = await collect(engine, request("a", None), Sampling(seed=0, min_tokens=37))
+    assert sum(d.tokens for d in deltas) == 37 and deltas[-1].finish_reason == "stop"
+    capped = await collect(engine, request("b", 20), Sampling(seed=0, min_tokens=37))
+    assert sum(d.tokens for d in capped) == 20 and capped[-1].finish_reason == "length"
+    from workloads.replay import request_body
+
+    drawn = dataclasses.replace(request("c", 64), answer_tokens=30)
+    assert request_body(drawn, "auto", ignore_eos=False)["min_tokens"] == 30
+    assert "min_tokens" not in request_body(drawn, "auto", ignore_eos=True)
+    assert "min_tokens" not in request_body(request("d", 64), "auto", ignore_eos=False)
+
+
 async def test_a_stop_string_ends_the_text_before_it(engine: SimulatedEngine) -> None:
     whole = "".join(
         d.text for d in await collect(engine, request("a", 30), Sampling(seed=5, ignore_eos=True))
@@ -446,5 +460,63 @@ async def test_the_twins_kv_events_build_exactly_the_index_its_engines_hold() ->
         home = next(i for i, blocks in enumerate(held) if blocks)
         replicas[home].engine._die()  # type: ignore[attr-defined]
         assert index.held_by(home) == set() == replicas[home].engine._batch.kv.hashes()  # type: ignore[attr-defined]
+    finally:
+        await replicas.close()
+
+
+async def test_a_live_request_reads_as_the_simulator_reads_it() -> None:
+    """The gateway's features of a request equal the simulator's (`router.route.Observer`, what
+    the training environment shows its agent) for the same request: its counted prompt, the
+    default max_tokens of a request that sets none, and the output the predictor expects, once
+    taught the same served answer."""
+    from router.admission import AdmitAll
+    from router.features import FeatureEncoder
+    from router.route import Observer
+    from router.sim import OK, Finished
+    from router.view import ClusterView
+    from serving.engines.prompts import gateway_counter
+
+    twin = deployment().with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    encoder = FeatureEncoder.for_deployment(twin)
+    live: list[tuple[object, Request]] = []
+
+    class Watching:
+        def __init__(self) -> None:
+            self.encoder = encoder
+
+        def choose(self, obs, request, view):  # type: ignore[no-untyped-def]
+            live.append((obs.copy(), request))
+            return 0
+
+    try:
+        gateway = Gateway(twin, replicas, Watching(), Metrics(replicas), admission=AdmitAll())
+        gateway.counter = gateway_counter(twin)
+        assert gateway.counter is not None
+        sim = Observer(twin, encoder, AdmitAll())
+        text = "Tell me about the river and the stone. " * 40
+        start, served = time.monotonic(), 0
+        for k in range(2):  # the second after the first was served, and taught
+            asked = dataclasses.replace(request(f"r{k}", None, text), arrival=start + k)
+            generation = await gateway.start(asked, Sampling(seed=k))
+            async for _ in generation:
+                pass
+            generation.delivered()
+            await generation.aclose()
+            obs, routed = live[-1]
+            counted = await gateway.counter.count(asked, twin.max_model_len)
+            assert routed.prompt_tokens == counted.prompt_tokens > 300
+            idle = ClusterView(tuple(r._replace(running=0, owed=0)
+                                     for r in replicas.view(None).replicas))  # fmt: skip
+            seen = sim.observe(counted, idle)
+            assert not isinstance(seen, Exception) and isinstance(seen, tuple)
+            assert list(seen[0]) == list(obs)  # type: ignore[call-overload]
+            lengths = seen[0][encoder.lengths_at : encoder.lengths_at + 3] * 512
+            assert lengths[1] == twin.max_model_len - counted.prompt_tokens, "vLLM's default"
+            expected = 256 if k == 0 else min(served, lengths[1])  # the prior, then the taught
+            assert lengths[2] == pytest.approx(expected, rel=1e-5)
+            served = generation.completion_tokens
+            sim.served([Finished(counted, 0, "tiny-s", 0, 0, 1, served, True, OK)])
     finally:
         await replicas.close()

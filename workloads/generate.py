@@ -23,8 +23,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from config import DEFAULT_MAX_MODEL_LEN
 from workloads.arrivals import ArrivalProcess, Replay
 from workloads.examples import EXAMPLES, corpus
+from workloads.lengths import Lengths
 from workloads.request import Message, Request
 from workloads.traces import TraceRecord
 
@@ -82,6 +84,14 @@ class WorkloadSpec:
     max_output_tokens: int | None = None
     chars_per_token: float = 4.0
     """Sizes text for a token count before any tokenizer is known; servers report the truth."""
+    lengths: Lengths | None = None
+    """Prompt and answer lengths and max_tokens (`workloads.lengths`), taking the place of the
+    shapes; each request carries its answer's length (`Request.answer_tokens`)."""
+    context: int = DEFAULT_MAX_MODEL_LEN
+    """The model's context, which `lengths` fit each request into."""
+    text: bool = True
+    """False: with `lengths`, a prompt is the task example alone, its drawn length only counted
+    (`Request.prompt_tokens`): for the simulator, which needs no text, and draws millions."""
 
     def __post_init__(self) -> None:
         for name, mix in (("tasks", self.tasks), ("classes", self.classes)):
@@ -201,6 +211,8 @@ class _Contents:
     def request(self, index: int, arrival: float) -> Request:
         if self.spec.sessions is not None:
             return self.turn(index, arrival, self.spec.sessions)
+        if self.spec.lengths is not None:
+            return self.drawn(index, arrival, self.spec.lengths)
         task = self.pick("tasks")
         qos_class = self.pick("classes")
         prompt_tokens, output = self.lengths(task, index)
@@ -213,6 +225,22 @@ class _Contents:
             qos_class=qos_class,
             task=task,
             prompt_tokens=self.tokens(text),
+        )
+
+    def drawn(self, index: int, arrival: float, lengths: Lengths) -> Request:
+        task = self.pick("tasks")
+        qos_class = self.pick("classes")
+        prompt_tokens, answer, max_tokens = lengths.draw(self.rng, self.spec.context)
+        text = self.prompt(task, prompt_tokens) if self.spec.text else self.example(task)
+        return Request(
+            request_id=f"r{index}",
+            arrival=arrival,
+            prompt=(Message("user", text),),
+            max_tokens=max_tokens,
+            qos_class=qos_class,
+            task=task,
+            prompt_tokens=prompt_tokens if prompt_tokens is not None else self.tokens(text),
+            answer_tokens=answer,
         )
 
     def clip_output(self, tokens: int) -> int:

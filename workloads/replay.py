@@ -84,7 +84,13 @@ def request_body(request: Request, model: str, ignore_eos: bool) -> dict[str, An
         "stream_options": {"include_usage": True},
         "task": request.task,
         "ignore_eos": ignore_eos,
-    }
+    } | (
+        # Where the answer's length is known (a trace's, a drawn one), the model may not end
+        # it sooner; the twin ends it there.
+        {"min_tokens": min(request.answer_tokens, request.max_tokens or request.answer_tokens)}
+        if request.answer_tokens is not None and not ignore_eos
+        else {}
+    )
 
 
 def request_headers(request: Request, api_key: str | None) -> dict[str, str]:

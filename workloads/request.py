@@ -52,6 +52,11 @@ class Request:
     """The chained hashes of its prompt's full blocks of tokens (`router.kv_cache.block_hashes`,
     at the deployment's smallest KV block), where whoever counted its tokens cut them: what a
     prefix cache and a prefix-aware router know it by."""
+    answer_tokens: int | None = None
+    """Where its answer ends on its own (the model's end-of-sequence token), where the workload
+    knows it: a generated request's drawn length, a trace's recorded one. For the engines the
+    simulator models, not for the router, which predicts it (`router.features.OutputPredictor`).
+    None: the answer runs to max_tokens."""
 
     @property
     def is_chat(self) -> bool:

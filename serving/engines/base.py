@@ -24,6 +24,8 @@ class Sampling:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     """Generate exactly max_tokens (a vLLM extension; benchmarks use it)."""
+    min_tokens: int = 0
+    """No end of sequence before this many tokens (a vLLM extension)."""
     priority: int = 0
     """Lower is served first, where the engine schedules by priority (a vLLM extension, as in
     its OpenAI server); the gateway sets the urgency of the request's class."""

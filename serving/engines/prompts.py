@@ -20,8 +20,6 @@ from workloads import Message, Request, TokenIds
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 2048
-"""OPT's context, where the deployment's engine_args set no max_model_len."""
 
 # Tokenising took 0.46 ms per 1,000 characters here (the embedded tokenizer, 2-core CPU) and
 # 7 ms for 16,000; a thread hop costs about a tenth of a millisecond. Longer prompts go to a thread.

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from config import Deployment, ReplicaConfig
+from config import DEFAULT_MAX_MODEL_LEN, Deployment, ReplicaConfig
 from config.deployment import Simulation
 from config.schema import Faults
 from router.admission import DEFAULT_MAX_BATCH
@@ -44,7 +44,6 @@ from serving.engines.base import (
     TokenDelta,
 )
 from serving.engines.prompts import (
-    DEFAULT_MAX_MODEL_LEN,
     PromptTokenizer,
     load_tokenizer,
     output_budget,
@@ -62,7 +61,9 @@ WORDS = tuple(f" {w}" for w in _VOCABULARY.split(" "))
 
 MEAN_NATURAL_TOKENS = 128
 """Without ignore_eos a request ends at its end-of-sequence token after an exponentially
-distributed number of tokens with this mean (a real model decides; this one draws)."""
+distributed number of tokens with this mean (a real model decides; this one draws); with
+min_tokens, at that many (a real model would go on until its own end of sequence; a replay of
+recorded answers sends their lengths as min_tokens, and gets them)."""
 
 
 @dataclass
@@ -227,9 +228,13 @@ class SimulatedEngine:
         if request.request_id in self._streams:
             raise EngineError(f"{self.config.name}: request id {request.request_id} is in use")
         rng = random.Random(sampling.seed if sampling.seed is not None else request.request_id)
-        natural = (
-            math.inf if sampling.ignore_eos else 1 + int(rng.expovariate(1 / MEAN_NATURAL_TOKENS))
-        )
+        natural: float
+        if sampling.ignore_eos:
+            natural = math.inf
+        elif sampling.min_tokens:  # the answer's recorded length: no model here to go on
+            natural = sampling.min_tokens
+        else:
+            natural = 1 + int(rng.expovariate(1 / MEAN_NATURAL_TOKENS))
         fail = math.inf
         if self._faults and self._fault_rng.random() < self._faults.error_rate:
             fail = self._fault_rng.randint(0, tokens - 1)

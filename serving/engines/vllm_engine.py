@@ -196,6 +196,7 @@ class VllmEngine:
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
             ignore_eos=sampling.ignore_eos,
+            min_tokens=min(sampling.min_tokens, max_tokens),
             logprobs=sampling.logprobs,
             prompt_logprobs=sampling.logprobs if sampling.echo else None,
             output_kind=RequestOutputKind.DELTA,
