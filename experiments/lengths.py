@@ -60,6 +60,9 @@ def thresholds(
     under that rule (`router.evaluate.tune_threshold`); cached in `results` (minutes each)."""
     cache = results / f"thresholds-{deployment.name}.json"
     tuned = json.loads(cache.read_text()) if cache.exists() else {}
+    on = {"lengths": [d.name for d in TRAINING], "episodes": episodes}
+    if tuned.get("tuned_on") != on:  # tuned on other workloads: stale
+        tuned = {"tuned_on": on}
     for rule in ADMISSION_RULES:
         if rule in tuned:
             continue

@@ -27,8 +27,8 @@ PATH_CAP = 10.0
 TOKEN_SCALE = 512.0
 """A request's lengths enter the observation in units of 512 tokens..."""
 TOKEN_CAP = 4.0
-"""...capped at 4 (2,048 tokens, OPT's whole context): a longer context reads as the longest
-the policy was trained on."""
+"""...capped at 4 (2,048 tokens, OPT's whole context, which every shipped policy was trained
+on): on a deployment of a longer context, every request longer than that reads alike."""
 
 
 class ArrivalRateEstimator:

@@ -31,6 +31,7 @@ from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from router.env import RoutingEnv
 from router.evaluate import grid_reward, guard_rewards, training_sampler, validation_reward
+from router.features import FeatureEncoder
 from router.policies import DqnPolicy
 from router.sim import Simulator
 from router.stale import StaleSimulator
@@ -189,8 +190,8 @@ class Validation:
         from, validated on a grid of them by rate (`router.evaluate.grid_reward`; none: six
         episodes of seed 004's lengths at random rates); `admission_rules`: those training
         draws from, the validation run under each (none: the deployment's); `guard`: a policy
-        the one picked must not fall behind on seed 004's workload (`router.evaluate.guard_margin`)
-        by more than GUARD_MARGIN, where any checkpoint keeps to that."""
+        the one picked must not fall behind on seed 004's workload
+        by more than GUARD_MARGIN, where any checkpoint keeps to that (`guard_rewards`)."""
         self.deployment = deployment
         self.simulators = simulators
         self.lengths = tuple(lengths)
@@ -239,9 +240,9 @@ class Validation:
             "validation": self.evaluations,
         }
         if self.guard is not None:
+            guard = getattr(self.guard, "meta", {})
             meta["guard"] = {"margin": GUARD_MARGIN, "worst_margins": self.margins,
-                             "policy": self.guard.meta.get("trained_by")
-                             or self.guard.meta.get("command")}  # fmt: skip
+                             "policy": guard.get("trained_by") or guard.get("command")}  # fmt: skip
         policy = DqnPolicy(best.layers, best.meta | meta)
         path.parent.mkdir(parents=True, exist_ok=True)
         policy.save(path)
@@ -267,10 +268,11 @@ class BestPolicy(BaseCallback):
 
 
 def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: bool) -> None:
-    """Put a trained policy's network into `model` (online and target): the inputs the policy
-    lacks get zero weights, so that the model starts out routing exactly as it does. This is how
-    the network-aware router starts from the network-blind one, whose layout is a prefix of its
-    own.
+    """Put a trained policy's network into `model` (online and target): each of the policy's
+    inputs goes to the same input of the deployment's layout (`inputs_of`), and the inputs the
+    policy lacks get zero weights, so that the model starts out routing exactly as it does. This
+    is how the network-aware router starts from the network-blind one, and a router that reads
+    lengths from one that does not.
 
     With `only_new`, training then changes only the weights of those new inputs: the rest of the
     network stays the policy's. The network-aware layout encodes a perfect path as zeros
@@ -280,29 +282,52 @@ def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: 
     linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
     shapes = [tuple(m.weight.shape) for m in linears]
     if len(linears) != len(policy.layers) or any(
-        w.shape[0] != shape[0] or w.shape[1] > shape[1]
-        for (w, _), shape in zip(policy.layers, shapes, strict=True)
+        w.shape[0] != shape[0] or (i > 0 and w.shape[1] != shape[1])
+        for i, ((w, _), shape) in enumerate(zip(policy.layers, shapes, strict=True))
     ):
         raise SystemExit(f"--init-from: its layers {[w.shape for w, _ in policy.layers]} do not "
                          f"fit the model's {shapes}")  # fmt: skip
+    known = inputs_of(policy.encoder, FeatureEncoder.for_deployment(deployment))
     with th.no_grad():
-        for linear, (w, b) in zip(linears, policy.layers, strict=True):
+        for i, (linear, (w, b)) in enumerate(zip(linears, policy.layers, strict=True)):
             linear.weight.zero_()
-            linear.weight[:, : w.shape[1]] = th.from_numpy(w)
+            if i == 0:
+                linear.weight[:, known] = th.from_numpy(w)
+            else:
+                linear.weight.copy_(th.from_numpy(w))
             linear.bias.copy_(th.from_numpy(b))
     model.q_net_target.load_state_dict(model.q_net.state_dict())
     if not only_new:
         return
-    known = policy.layers[0][0].shape[1]
     for parameter in model.q_net.parameters():
         parameter.requires_grad_(parameter is linears[0].weight)
 
     def new_inputs_only(grad: th.Tensor) -> th.Tensor:
         grad = grad.clone()
-        grad[:, :known] = 0  # Adam moves a weight whose gradients are all zero not at all
+        grad[:, known] = 0  # Adam moves a weight whose gradients are all zero not at all
         return grad
 
     linears[0].weight.register_hook(new_inputs_only)
+
+
+def inputs_of(old: FeatureEncoder, new: FeatureEncoder) -> list[int]:
+    """Where each input of layout `old` is in layout `new`: the replicas, tasks, rate and classes
+    first, then the lengths and the path, each where `new` has it. SystemExit where `new` lacks a
+    block `old` has, or the two differ in what comes first."""
+    base = old.lengths_at
+    if (
+        base != new.lengths_at
+        or (old.reads_lengths and not new.reads_lengths)
+        or (old.deadlines is not None and new.deadlines is None)
+    ):
+        raise SystemExit(f"--init-from: its inputs ({old.size}) are not a part of the "
+                         f"deployment's layout ({new.size})")  # fmt: skip
+    where = list(range(base))
+    if old.reads_lengths:
+        where += range(new.lengths_at, new.lengths_at + 3)
+    if old.deadlines is not None:
+        where += range(new.path_at, new.path_at + 4)
+    return where
 
 
 def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:

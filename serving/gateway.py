@@ -349,7 +349,8 @@ class Gateway:
 
     def _route(self, request: Request, model: str, rate: float, view: ClusterView) -> int:
         # The expected output is the predictor's, outside the decision's time (reported apart).
-        expected = self.predictor.predict(request) if self.encoder.reads_lengths else None
+        asks = model == AUTO and self.encoder.reads_lengths
+        expected = self.predictor.predict(request) if asks else None
         started = time.perf_counter()
         if model != AUTO:
             index = view.least_loaded(model)

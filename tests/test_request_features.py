@@ -188,3 +188,21 @@ def test_a_deployment_routes_with_another_policy_file_only_where_there_is_one(
     assert not DqnPolicy.load(swapped.policy_file).encoder.reads_lengths
     with pytest.raises(ConfigError, match="no policy file at"):
         PAPER.with_policy_file(Path(str(tmp_path)) / "missing.npz")
+
+
+def test_a_policy_started_from_puts_each_input_where_the_new_layout_has_it() -> None:
+    from router.train import inputs_of
+
+    def layout(lengths: bool, paths: bool) -> FeatureEncoder:
+        deadlines = {c: q.deadline_s for c, q in PAPER.qos_classes.items()} if paths else None
+        return FeatureEncoder([r.name for r in PAPER.replicas], PAPER.tasks,
+                              list(PAPER.qos_classes), paths=deadlines,
+                              token_scale=512.0 if lengths else None)  # fmt: skip
+
+    # A network-aware policy from before lengths: its path (20-23) goes to the new path (23-26),
+    # not onto the lengths.
+    assert inputs_of(layout(False, True), layout(True, True)) == [*range(20), 23, 24, 25, 26]
+    assert inputs_of(layout(True, False), layout(True, True)) == list(range(23))
+    assert inputs_of(layout(False, False), layout(True, False)) == list(range(20))
+    with pytest.raises(SystemExit, match="not a part of"):
+        inputs_of(layout(True, True), layout(True, False))

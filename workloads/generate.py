@@ -97,6 +97,8 @@ class WorkloadSpec:
         for name, mix in (("tasks", self.tasks), ("classes", self.classes)):
             if not mix or min(mix.values()) < 0 or sum(mix.values()) <= 0:
                 raise ValueError(f"the {name} mix needs non-negative weights that sum above 0")
+        if self.lengths is not None and (self.sessions is not None or self.trace is not None):
+            raise ValueError("lengths take the place of a trace's and of sessions: give one")
         if missing := sorted(t for t in self.tasks if not self.prompts.get(t)):
             raise ValueError(f"no prompts for task(s): {', '.join(missing)}")
 

@@ -9,9 +9,11 @@ for, which a real client rarely sets to the answer's length:
 - a number: a client's cap; the answer ends on its own, or at the cap.
 
 The router is trained on `TRAINING` and evaluated on `HELD_OUT` too, which training never draws
-from (docs/workloads.md#request-lengths names both, with their parameters). Every prompt is
-clipped to the context: it leaves room for max_tokens, or, with none, for the answer, so that
-no request is one a server would refuse.
+from (docs/workloads.md#request-lengths names both, with their parameters). Every prompt's drawn
+length is clipped to the context: it leaves room for max_tokens, or, with none, for the answer.
+Built as text for a live server (`WorkloadSpec.text`), a prompt counts about its drawn length
+through a real tokenizer and chat template, not exactly: one drawn at the limit may be refused
+(a 400, context_length_exceeded).
 """
 
 from __future__ import annotations
@@ -114,13 +116,16 @@ class Lengths:
 
     def describe(self) -> str:
         """Its parameters, as the docs and a policy's record give them."""
-        asked = {"exact": "max_tokens = the answer", "none": "no max_tokens"}.get(
-            str(self.max_tokens), f"max_tokens {self.max_tokens}"
-        )
+        asked = self._asked()
         if self.trace is not None:
             return f"Azure {self.trace} trace's (prompt, answer) pairs; {asked}"
         prompt = self.prompt or "the task examples' own"
         return f"prompts {prompt}; answers {self.answer}; {asked}"
+
+    def _asked(self) -> str:
+        return {"exact": "max_tokens = the answer", "none": "no max_tokens"}.get(
+            str(self.max_tokens), f"max_tokens {self.max_tokens}"
+        )
 
 
 @functools.cache
@@ -150,8 +155,14 @@ class Conversations(Lengths):
         prompt = sum(self._message(self.user_tokens, rng) for _ in range(turn))
         prompt += sum(self._message(self.assistant_tokens, rng) for _ in range(turn - 1))
         answer = max(1, min(self._message(self.assistant_tokens, rng), context // 2))
-        max_tokens = answer if self.max_tokens == "exact" else None
-        return max(1, min(prompt, context - answer)), answer, max_tokens
+        if self.max_tokens == "exact":
+            max_tokens: int | None = answer
+        elif self.max_tokens == "none":
+            max_tokens = None
+        else:
+            max_tokens = min(self.max_tokens, context // 2)
+            answer = min(answer, max_tokens)
+        return max(1, min(prompt, context - (max_tokens or answer))), answer, max_tokens
 
     def _message(self, mean: float, rng: np.random.Generator) -> int:
         mu = np.log(mean) - self.sigma**2 / 2  # the lognormal whose mean is `mean`
@@ -161,7 +172,7 @@ class Conversations(Lengths):
         return (
             f"a random turn of a chat of geometric turns (mean {self.mean_turns:g}): "
             f"prompt = the history, user messages lognormal mean {self.user_tokens:g}, answers "
-            f"mean {self.assistant_tokens:g} (sigma {self.sigma:g}); max_tokens = the answer"
+            f"mean {self.assistant_tokens:g} (sigma {self.sigma:g}); {self._asked()}"
         )
 
 

@@ -87,7 +87,7 @@ def request_body(request: Request, model: str, ignore_eos: bool) -> dict[str, An
     } | (
         # Where the answer's length is known (a trace's, a drawn one), the model may not end
         # it sooner; the twin ends it there.
-        {"min_tokens": min(request.answer_tokens, request.max_tokens or request.answer_tokens)}
+        {"min_tokens": max(1, min(request.answer_tokens, request.max_tokens or 2**31))}
         if request.answer_tokens is not None and not ignore_eos
         else {}
     )

@@ -330,8 +330,8 @@ class RemoteEngine:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "ignore_eos": sampling.ignore_eos,
         }
-        if sampling.min_tokens:
-            body["min_tokens"] = sampling.min_tokens
+        if sampling.min_tokens:  # vLLM refuses more than max_tokens
+            body["min_tokens"] = min(sampling.min_tokens, request.max_tokens or sampling.min_tokens)
         if isinstance(request.prompt, tuple):
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.prompt]
         elif isinstance(request.prompt, TokenIds):
