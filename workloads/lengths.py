@@ -94,14 +94,7 @@ class Lengths:
     def draw(self, rng: np.random.Generator, context: int) -> tuple[int | None, int, int | None]:
         """(prompt tokens or None, answer tokens, max_tokens or None) of one request, for a
         model of `context` tokens."""
-        prompt: int | None
-        if self.trace is not None:
-            pairs = _pairs(self.trace)
-            prompt, answer = pairs[int(rng.integers(len(pairs)))]
-        else:
-            assert self.answer is not None
-            answer = self.answer.draw(rng)
-            prompt = self.prompt.draw(rng) if self.prompt is not None else None
+        prompt, answer = self.pair(rng)
         answer = max(1, min(answer, context // 2))
         if self.max_tokens == "exact":
             max_tokens: int | None = answer
@@ -113,6 +106,15 @@ class Lengths:
         if prompt is not None:
             prompt = max(1, min(prompt, context - (max_tokens or answer)))
         return prompt, answer, max_tokens
+
+    def pair(self, rng: np.random.Generator) -> tuple[int | None, int]:
+        """(prompt tokens or None, answer tokens) as drawn, before they are fitted."""
+        if self.trace is not None:
+            pairs = _pairs(self.trace)
+            return pairs[int(rng.integers(len(pairs)))]
+        assert self.answer is not None
+        answer = self.answer.draw(rng)
+        return self.prompt.draw(rng) if self.prompt is not None else None, answer
 
     def describe(self) -> str:
         """Its parameters, as the docs and a policy's record give them."""
@@ -149,20 +151,12 @@ class Conversations(Lengths):
     assistant_tokens: float = 214.5
     sigma: float = 1.0
 
-    def draw(self, rng: np.random.Generator, context: int) -> tuple[int | None, int, int | None]:
+    def pair(self, rng: np.random.Generator) -> tuple[int | None, int]:
         turns = int(rng.geometric(1 / self.mean_turns))
         turn = int(rng.integers(1, turns + 1))
         prompt = sum(self._message(self.user_tokens, rng) for _ in range(turn))
         prompt += sum(self._message(self.assistant_tokens, rng) for _ in range(turn - 1))
-        answer = max(1, min(self._message(self.assistant_tokens, rng), context // 2))
-        if self.max_tokens == "exact":
-            max_tokens: int | None = answer
-        elif self.max_tokens == "none":
-            max_tokens = None
-        else:
-            max_tokens = min(self.max_tokens, context // 2)
-            answer = min(answer, max_tokens)
-        return max(1, min(prompt, context - (max_tokens or answer))), answer, max_tokens
+        return prompt, self._message(self.assistant_tokens, rng)
 
     def _message(self, mean: float, rng: np.random.Generator) -> int:
         mu = np.log(mean) - self.sigma**2 / 2  # the lognormal whose mean is `mean`
