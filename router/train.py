@@ -455,13 +455,7 @@ def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
     progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
     if checkpoint is not None and curve_file.exists():
         progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]
-    validation = Validation(
-        deployment,
-        _validation_simulators(deployment, args),
-        named(args.lengths),
-        args.admission_rules,
-        DqnPolicy.load(args.guard) if args.guard is not None else None,
-    )
+    validation = _validation(deployment, args)
     best = BestPolicy(validation, env, args.eval_every)
     callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
     if args.checkpoint_every:
@@ -498,13 +492,7 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     found = _checkpoints(args.logdir / "checkpoints")
     if not found:
         raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
-    validation = Validation(
-        deployment,
-        _validation_simulators(deployment, args),
-        named(args.lengths),
-        args.admission_rules,
-        DqnPolicy.load(args.guard) if args.guard is not None else None,
-    )
+    validation = _validation(deployment, args)
     for path in found:
         policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
         reward = validation.record(_step(path), policy)
@@ -517,6 +505,13 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
     return validation.save(
         args.out, _meta(args, deployment, _step(found[-1]), args.learning_starts)
     )
+
+
+def _validation(deployment: Deployment, args: argparse.Namespace) -> Validation:
+    """What picks the network to ship, for a run and for its checkpoints afterwards alike."""
+    guard = DqnPolicy.load(args.guard) if args.guard is not None else None
+    return Validation(deployment, _validation_simulators(deployment, args), named(args.lengths),
+                      args.admission_rules, guard)  # fmt: skip
 
 
 def _validation_simulators(
