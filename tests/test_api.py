@@ -53,8 +53,11 @@ def test_chat_completion_streams_token_by_token(server: Server) -> None:
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 12
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12
-    # Tokens come one event at a time, not as one blob at the end.
-    assert len(chunks) >= 6
+    # Not a count of events: vLLM (and the engine link) merge the deltas a reader has not yet
+    # taken, so on a loaded machine 12 tokens came in 2 events (CI, 2026-11-28). That each delta
+    # goes out as its own event is test_each_event_is_its_chunk_rendered_whole's, without timing.
+    assert all(c["choices"][0]["delta"].get("content") is not None for c in chunks)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     # Every response says which model and replica served it, in headers and body alike.
@@ -81,7 +84,7 @@ def test_official_openai_client_streams(server: Server) -> None:
         if chunk.usage:
             usage = chunk.usage
     assert usage is not None and usage.completion_tokens == 10
-    assert len(pieces) >= 5
+    assert "".join(pieces)  # how many pieces is vLLM's timing (see the test above)
     assert models <= {"tiny-s", "tiny-m", "tiny-l"} and len(models) == 1
 
 
