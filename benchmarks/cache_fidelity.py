@@ -41,8 +41,9 @@ from router.sim import Batcher, Job
 from serving.embedded import ensure_built
 from serving.engines.prompts import PromptTokenizer, load_tokenizer
 from workloads import Request
-from workloads.conversations import ChatShape, conversations, turns
+from workloads.conversations import conversations, turns
 from workloads.generate import filler
+from workloads.lengths import ChatShape
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128

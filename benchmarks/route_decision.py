@@ -52,8 +52,8 @@ from serving.gateway import AUTO, Gateway
 from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
 from workloads import Message, Request
-from workloads.conversations import SHAREGPT_16, conversations, seed003_prompts
-from workloads.lengths import TRAINING
+from workloads.conversations import conversations, seed003_prompts
+from workloads.lengths import SHAREGPT_16, TRAINING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,11 +91,6 @@ def _requests(deployment: Deployment, count: int = 64) -> list[Request]:
             path=paths[i % len(paths)] if paths else None,
         ))  # fmt: skip
     return out
-
-
-def with_policy(deployment: Deployment, path: Path) -> Deployment:
-    """`deployment`, its DQN the one at `path`."""
-    return replace(deployment, policy=deployment.policy.model_copy(update={"path": str(path)}))
 
 
 def measure_predictor(deployment: Deployment, calls: int) -> np.ndarray:
@@ -268,7 +263,7 @@ def main() -> int:
     if args.before is not None:
         # The DQN that reads lengths against the one before it, on the same calls, in this run.
         now = load_deployment(config, first)
-        both = measure([with_policy(now, args.before), now], "dqn", args.calls, args.seed)
+        both = measure([now.with_policy_file(args.before), now], "dqn", args.calls, args.seed)
         rows.append(_row(first, "dqn (before)", both[:, 0], args.calls))
         rows.append(_row(first, "dqn (lengths)", both[:, 1], args.calls))
         rows.append(_row(first, "output predictor", measure_predictor(now, args.calls),

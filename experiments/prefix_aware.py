@@ -44,7 +44,8 @@ from router.route import Router
 from router.sim import SHED, Finished, Simulator
 from serving.engines.prompts import PromptCounter, gateway_counter
 from workloads import Request
-from workloads.conversations import LMSYS_CHAT, SHAREGPT_16, conversations, seed003_prompts, turns
+from workloads.conversations import conversations, seed003_prompts, turns
+from workloads.lengths import LMSYS_CHAT, SHAREGPT_16
 
 DEPLOYMENT = "seed003-sim"
 POLICIES = (

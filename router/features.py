@@ -13,7 +13,7 @@ import numpy as np
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.admission import OUTPUT_TOKENS_WITHOUT_MAX, assumed_output_tokens
 from router.paths import Budget, budget, spent
-from router.sim import DEFAULT_PROMPT_TOKENS
+from router.sim import DEFAULT_PROMPT_TOKENS, max_output_tokens
 from router.view import ClusterView
 from workloads import Request
 
@@ -97,14 +97,6 @@ class OutputPredictor:
         kind = self._kind(request)
         mean = self._mean.get(kind)
         self._mean[kind] = tokens if mean is None else mean + self.weight * (tokens - mean)
-
-
-def max_output_tokens(request: Request, context: int) -> int:
-    """The output a request may get: its max_tokens, or, where it sets none, the deployment's
-    default, which is vLLM's: all the context its prompt leaves."""
-    if request.max_tokens is not None:
-        return max(1, request.max_tokens)
-    return max(1, context - (request.prompt_tokens or DEFAULT_PROMPT_TOKENS))
 
 
 class FeatureEncoder:

@@ -101,14 +101,19 @@ class Job:
     preempted: bool = False
 
 
+def max_output_tokens(request: Request, context: int) -> int:
+    """The output a request may get: its max_tokens, or, where it sets none, the deployment's
+    default, which is vLLM's: all the context its prompt leaves; at least one token."""
+    if request.max_tokens is not None:
+        return max(1, request.max_tokens)
+    return max(1, context - (request.prompt_tokens or DEFAULT_PROMPT_TOKENS))
+
+
 def output_tokens(request: Request, max_model_len: int) -> int:
-    """What an engine generates for `request`: its answer, cut at max_tokens, where no
-    max_tokens is all the context its prompt leaves (vLLM's default); at least one token."""
-    prompt = request.prompt_tokens or DEFAULT_PROMPT_TOKENS
-    tokens = request.max_tokens if request.max_tokens is not None else max_model_len - prompt
-    if request.answer_tokens is not None:
-        tokens = min(tokens, request.answer_tokens)
-    return max(1, tokens)
+    """What an engine generates for `request`: its answer (where the workload knows where it
+    ends), cut at `max_output_tokens`; at least one token."""
+    most = max_output_tokens(request, max_model_len)
+    return most if request.answer_tokens is None else max(1, min(most, request.answer_tokens))
 
 
 def step_time(profile: ProfileModel, batch: int) -> float:

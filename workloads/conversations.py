@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from workloads.generate import DEFAULT_TASKS, filler
+from workloads.lengths import LMSYS_CHAT, SHAREGPT_16, ChatShape
 from workloads.request import Message, Request
 
 
@@ -52,50 +53,6 @@ class FourCharacters:
         return max(1, len(text) // 4)
 
 
-@dataclass(frozen=True)
-class ChatShape:
-    """A chat dataset's conversations: how many user turns, and how long each message is."""
-
-    name: str
-    source: str
-    """The published statistics it matches."""
-    min_turns: int
-    mean_turns: float
-    """User turns per conversation: `min_turns` plus a geometric number with this mean."""
-    user_tokens: float
-    """Mean tokens of a user message."""
-    assistant_tokens: float
-    """Mean tokens of an answer."""
-    sigma: float = 1.0
-    """Lognormal spread of message lengths: chosen, not published."""
-    max_message_tokens: int = 4096
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.min_turns <= self.mean_turns):
-            raise ValueError(f"{self.name}: need 1 <= min_turns <= mean_turns")
-
-
-LMSYS_CHAT = ChatShape(
-    name="lmsys-chat",
-    source="LMSYS-Chat-1M (Zheng et al., 2023, Table 1): 2.0 turns per conversation, 69.5 "
-    "tokens per user message, 214.5 per answer",
-    min_turns=1,
-    mean_turns=2.0,
-    user_tokens=69.5,
-    assistant_tokens=214.5,
-)
-
-SHAREGPT_16 = ChatShape(
-    name="sharegpt-16",
-    source="seed 003's ShareGPT conversations of 16 messages or more, as its benchmark sent "
-    "them: 8,000 prompts of 832 tokens and 76 output tokens on average (6,656,338 and 608,447 "
-    "in all); 10 user turns on average is chosen, and user messages sized to give 832",
-    min_turns=8,
-    mean_turns=10.0,
-    user_tokens=60.0,
-    assistant_tokens=76.0,
-)
-
 SHAPES = {shape.name: shape for shape in (LMSYS_CHAT, SHAREGPT_16)}
 
 
@@ -114,21 +71,14 @@ def conversations(
     rng = np.random.default_rng([seed, 3])
     out = []
     for index in range(n):
-        extra = shape.mean_turns - shape.min_turns
-        turns = shape.min_turns + (int(rng.geometric(1 / (1 + extra))) - 1 if extra else 0)
         messages: list[Message] = []
-        for _ in range(turns):
-            messages.append(Message("user", filler(_length(shape.user_tokens, shape, rng), rng)))
-            answer = filler(_length(shape.assistant_tokens, shape, rng), rng)
+        for _ in range(shape.turns(rng)):
+            messages.append(Message("user", filler(shape.message(shape.user_tokens, rng), rng)))
+            answer = filler(shape.message(shape.assistant_tokens, rng), rng)
             messages.append(Message("assistant", answer))
         task = tasks[int(rng.integers(len(tasks)))]
         out.append(Conversation(f"c{index}", task, tuple(messages)))
     return out
-
-
-def _length(mean: float, shape: ChatShape, rng: np.random.Generator) -> int:
-    mu = np.log(mean) - shape.sigma**2 / 2  # the lognormal whose mean is `mean`
-    return int(min(shape.max_message_tokens, max(1, round(rng.lognormal(mu, shape.sigma)))))
 
 
 def turns(

@@ -14,6 +14,9 @@ length is clipped to the context: it leaves room for max_tokens, or, with none, 
 Built as text for a live server (`WorkloadSpec.text`), a prompt counts about its drawn length
 through a real tokenizer and chat template, not exactly: one drawn at the limit may be refused
 (a 400, context_length_exceeded).
+
+`ChatShape`: the turns and message lengths of a published chat dataset, which
+`workloads.conversations` fills with text and `Conversations` draws without.
 """
 
 from __future__ import annotations
@@ -140,33 +143,82 @@ def _pairs(trace: str) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
-class Conversations(Lengths):
-    """A random turn of a multi-turn chat: the prompt is the whole history so far (every user
-    message and answer before, and the new user message), the answer the next one. Turns per
-    conversation are geometric (from 1); message lengths lognormal with the given means
-    (`workloads.conversations.ChatShape`'s shape, without the text)."""
+class ChatShape:
+    """A chat dataset's conversations: how many user turns, and how long each message is."""
 
-    mean_turns: float = 2.0
-    user_tokens: float = 69.5
-    assistant_tokens: float = 214.5
+    name: str
+    source: str
+    """The published statistics it matches."""
+    min_turns: int
+    mean_turns: float
+    """User turns per conversation: `min_turns` plus a geometric number with this mean."""
+    user_tokens: float
+    """Mean tokens of a user message."""
+    assistant_tokens: float
+    """Mean tokens of an answer."""
     sigma: float = 1.0
+    """Lognormal spread of message lengths: chosen, not published."""
+    max_message_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min_turns <= self.mean_turns):
+            raise ValueError(f"{self.name}: need 1 <= min_turns <= mean_turns")
+
+    def turns(self, rng: np.random.Generator) -> int:
+        """One conversation's user turns."""
+        extra = self.mean_turns - self.min_turns
+        return self.min_turns + (int(rng.geometric(1 / (1 + extra))) - 1 if extra else 0)
+
+    def message(self, mean: float, rng: np.random.Generator) -> int:
+        """One message's tokens, of a lognormal whose mean is `mean`."""
+        mu = np.log(mean) - self.sigma**2 / 2
+        return int(min(self.max_message_tokens, max(1, round(rng.lognormal(mu, self.sigma)))))
+
+
+LMSYS_CHAT = ChatShape(
+    name="lmsys-chat",
+    source="LMSYS-Chat-1M (Zheng et al., 2023, Table 1): 2.0 turns per conversation, 69.5 "
+    "tokens per user message, 214.5 per answer",
+    min_turns=1,
+    mean_turns=2.0,
+    user_tokens=69.5,
+    assistant_tokens=214.5,
+)
+
+SHAREGPT_16 = ChatShape(
+    name="sharegpt-16",
+    source="seed 003's ShareGPT conversations of 16 messages or more, as its benchmark sent "
+    "them: 8,000 prompts of 832 tokens and 76 output tokens on average (6,656,338 and 608,447 "
+    "in all); 10 user turns on average is chosen, and user messages sized to give 832",
+    min_turns=8,
+    mean_turns=10.0,
+    user_tokens=60.0,
+    assistant_tokens=76.0,
+)
+
+
+@dataclass(frozen=True)
+class Conversations(Lengths):
+    """A random turn of a multi-turn chat of `shape`: the prompt is the whole history so far
+    (every user message and answer before, and the new user message), the answer the next one.
+    The lengths of `workloads.conversations`' chats of that shape, without their text."""
+
+    shape: ChatShape = LMSYS_CHAT
 
     def pair(self, rng: np.random.Generator) -> tuple[int | None, int]:
-        turns = int(rng.geometric(1 / self.mean_turns))
-        turn = int(rng.integers(1, turns + 1))
-        prompt = sum(self._message(self.user_tokens, rng) for _ in range(turn))
-        prompt += sum(self._message(self.assistant_tokens, rng) for _ in range(turn - 1))
-        return prompt, self._message(self.assistant_tokens, rng)
-
-    def _message(self, mean: float, rng: np.random.Generator) -> int:
-        mu = np.log(mean) - self.sigma**2 / 2  # the lognormal whose mean is `mean`
-        return max(1, round(rng.lognormal(mu, self.sigma)))
+        shape = self.shape
+        turn = int(rng.integers(1, shape.turns(rng) + 1))
+        prompt = sum(shape.message(shape.user_tokens, rng) for _ in range(turn))
+        prompt += sum(shape.message(shape.assistant_tokens, rng) for _ in range(turn - 1))
+        return prompt, shape.message(shape.assistant_tokens, rng)
 
     def describe(self) -> str:
+        shape = self.shape
         return (
-            f"a random turn of a chat of geometric turns (mean {self.mean_turns:g}): "
-            f"prompt = the history, user messages lognormal mean {self.user_tokens:g}, answers "
-            f"mean {self.assistant_tokens:g} (sigma {self.sigma:g}); {self._asked()}"
+            f"a random turn of a {shape.name} chat ({shape.min_turns} + geometric turns, mean "
+            f"{shape.mean_turns:g}): prompt = the history, user messages lognormal mean "
+            f"{shape.user_tokens:g}, answers mean {shape.assistant_tokens:g} (sigma "
+            f"{shape.sigma:g}, at most {shape.max_message_tokens}); {self._asked()}"
         )
 
 
@@ -216,6 +268,7 @@ HELD_OUT: tuple[Lengths, ...] = (
         "conversations",
         "LMSYS-Chat-1M-shaped histories (Table 1's means), as the issue measured them",
         None,
+        shape=LMSYS_CHAT,
     ),
     Lengths(
         "azure-conv",
