@@ -12,6 +12,11 @@ none): TTFT is reported in the profile's time, divided by K. Scenarios:
 - `client-killed`: the client SIGKILLed `--kill-after` seconds in, then another 300 requests;
 - `engines-die`: two of the eight engines die 12 s in (`simulation.faults`), back 5 s later.
 
+With `--deployment paper-4gpu-sim --lengths NAME`, the same scenarios on seed 004's twin, the
+load a length distribution's requests (`workloads.replay --lengths`, every class alike, the
+classes' deadlines kept), and `--policies` DQN files side by side: how the router that reads
+lengths (issue 38) and the one before it hold in the storm.
+
 For each run: the client's completed and failed requests, the server's `serving_requests_total`
 by outcome and its request log's lines, and what `serving_replica_in_flight` holds after: they
 must agree, and in-flight must be back at 0.
@@ -19,6 +24,9 @@ must agree, and in-flight must be back at 0.
     python -m benchmarks.prefix_twin                                   # calm, RR and precise
     python -m benchmarks.prefix_twin --scenario engines-die --requests 1500 --concurrency 200
     python -m benchmarks.prefix_twin --scenario client-killed --concurrency 300
+    python -m benchmarks.prefix_twin --deployment paper-4gpu-sim --lengths conversations \
+        --time-scale 1 --rate 64 --requests 1900 --scenario engines-die \
+        --policies router/policies/paper-4gpu.npz,router/policies/previous/paper-4gpu.npz
 """
 
 from __future__ import annotations
@@ -36,41 +44,63 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from config import load_deployment
 from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
+from workloads.lengths import ALL as LENGTHS
 
-DEPLOYMENT = "seed003-sim"
-DYING = ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"]
+SEED003 = "seed003-sim"
+DYING = {
+    SEED003: ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"],
+    "paper-4gpu-sim": ["cuda:0/opt-6.7b", "cuda:1/opt-1.3b"],
+}
+"""The two engines that die in `engines-die`, per deployment."""
+KEY = "prefix-twin-premium-key"
+"""The load's API key with --lengths, whose classes include real-time (the premium tier's)."""
 
 
-def config(folder: Path, faults: bool) -> Path:
-    """The shipped models.yaml with no class deadline, and with `faults`, two dying engines."""
+def config(folder: Path, deployment: str, faults: bool) -> Path:
+    """The shipped models.yaml, with no class deadline on seed 003's twin (its client had none),
+    and with `faults`, two dying engines."""
     spec = shipped_spec()
-    for qos_class in spec["qos_classes"].values():
-        qos_class["deadline_s"] = 3600.0
+    if deployment == SEED003:
+        for qos_class in spec["qos_classes"].values():
+            qos_class["deadline_s"] = 3600.0
     if faults:
-        spec["deployments"][DEPLOYMENT]["simulation"]["faults"] = {
-            "replicas": DYING, "fail_after_s": 12.0, "restart_s": 5.0,
+        spec["deployments"][deployment]["simulation"]["faults"] = {
+            "replicas": DYING[deployment], "fail_after_s": 12.0, "restart_s": 5.0,
         }  # fmt: skip
     path = folder / "models.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
-def start_server(folder: Path, tag: str, policy: str, scale: float, faults: bool) -> Launched:
+def start_server(
+    folder: Path, tag: str, policy: str, args: argparse.Namespace, faults: bool
+) -> Launched:
+    """`policy`: a policy's name, or a DQN's file (`serving --policy-file`)."""
     port = free_port()
-    command = [sys.executable, "-m", "serving", "--config", str(config(folder, faults)),
-               "--deployment", DEPLOYMENT, "--policy", policy, "--port", str(port),
-               "--h3-port", "0", "--time-scale", str(scale),
+    chosen = ["--policy", "dqn", "--policy-file", policy] if policy.endswith(".npz") else [
+        "--policy", policy]  # fmt: skip
+    command = [sys.executable, "-m", "serving", "--config",
+               str(config(folder, args.deployment, faults)), "--deployment", args.deployment,
+               *chosen, "--port", str(port), "--h3-port", "0", "--time-scale", str(args.time_scale),
                "--request-log", str(folder / f"{tag}-requests.jsonl")]  # fmt: skip
-    return launch(tag, command, port, "/readyz", folder / f"{tag}.log", cpus={0}).ready(120)
+    env = {"QOS_PREMIUM_KEY": KEY}
+    return launch(tag, command, port, "/readyz", folder / f"{tag}.log", env, cpus={0}).ready(120)
 
 
 def load(url: str, out: Path, args: argparse.Namespace, requests: int, kill_after: float = 0.0
          ) -> dict | None:  # fmt: skip
     """The client's summary; None where it was killed."""
+    if args.lengths:
+        classes = ",".join(load_deployment(name=args.deployment).qos_classes)
+        workload = ["--lengths", args.lengths, "--classes", classes, "--api-key", KEY,
+                    "--deployment", args.deployment]  # fmt: skip
+    else:
+        workload = ["--seed003", "--classes", "long"]
     command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
-               "--seed003", "--num-requests", str(requests), "--rate", str(args.rate),
-               "--max-concurrency", str(args.concurrency), "--classes", "long",
+               *workload, "--num-requests", str(requests), "--rate", str(args.rate),
+               "--max-concurrency", str(args.concurrency),
                "--seed", str(args.seed), "--no-progress", "--out", str(out)]  # fmt: skip
     cpus = set(range(1, os.cpu_count() or 2)) or {0}
     client = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -111,6 +141,7 @@ def row(
             "mean_ttft_ms": summary["mean_ttft_ms"] / scale,
             "p99_ttft_ms": summary["p99_ttft_ms"] / scale,
             "req_per_s": summary["request_throughput"] * scale,
+            "slo": summary["slo_attainment"], "mean_reward": summary.get("mean_reward"),
         }  # fmt: skip
     print(json.dumps(out), flush=True)
     return out
@@ -122,8 +153,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     faults = args.scenario == "engines-die"
     for policy in args.policies.split(","):
-        tag = f"{args.scenario}-{policy}"
-        with start_server(folder, tag, policy, args.time_scale, faults) as server:
+        tag = "-".join([args.scenario, *Path(policy).with_suffix("").parts[-2:]])
+        with start_server(folder, tag, policy, args, faults) as server:
             log = folder / f"{tag}-requests.jsonl"
             if args.scenario == "client-killed":
                 load(server.url, folder / f"{tag}.json", args, args.requests, args.kill_after)
@@ -149,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--scenario", choices=("calm", "client-killed", "engines-die"),
                         default="calm")  # fmt: skip
-    parser.add_argument("--policies", default="round-robin,prefix-precise")
+    parser.add_argument("--deployment", default=SEED003, choices=list(DYING))
+    parser.add_argument("--lengths", choices=list(LENGTHS),
+                        help="the load: this length distribution's requests (workloads.lengths, "
+                        "every class of the deployment alike); default: seed 003's")  # fmt: skip
+    parser.add_argument("--policies", default="round-robin,prefix-precise",
+                        help="policy names, or DQN files (.npz), comma-separated")  # fmt: skip
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=800)
     parser.add_argument("--rate", type=float, default=800.0)

@@ -133,6 +133,7 @@ def test_a_run_where_nothing_completed_still_gets_its_plot(tmp_path: Path) -> No
         (["--tasks", "gsm8k"], "no prompts for task"),
         (["--deployment", "nope"], "unknown deployment"),
         (["--output-tokens", "9:3"], "LO:HI"),
+        (["--lengths", "conversations", "--sessions"], "lengths take the place"),
     ],
 )
 def test_bad_arguments_get_a_clear_message(args: list[str], message: str) -> None:
@@ -204,6 +205,24 @@ def test_without_a_deployment_the_replay_scores_with_the_one_the_server_serves(
     assert met and all(r["reward"] > 0 for r in met)
     assert record["summary"]["mean_reward"] > 0
     assert "No reward" not in stdout
+
+
+def test_a_length_distribution_is_replayed_with_each_answer_its_drawn_length(
+    paper_twin: Server, tmp_path: Path
+) -> None:
+    from workloads.replay import build_workload, parser
+
+    flags = ["--lengths", "short-chat", "--seed", "4"]
+    rc, record, _ = replay(tmp_path / "lengths.json", "--proto", "h1", "--url", paper_twin.url,
+                           "--classes", "long", *flags)  # fmt: skip
+    assert_accounted(record, 12)
+    assert rc == 0, record["summary"]["errors"]
+    spec, _ = build_workload(parser().parse_args([*SHORT, "--classes", "long", *flags]), 2048)
+    drawn = {r.request_id: r for r in requests(spec, 4, None, 12)}
+    served = {r["request_id"]: r["output_tokens"] for r in record["requests"]}
+    # short-chat sends no max_tokens: without --lengths the twin would end answers at random.
+    assert all(drawn[i].max_tokens is None for i in served)
+    assert served == {i: drawn[i].answer_tokens for i in served}
 
 
 def test_the_replay_says_why_it_cannot_score_a_server_no_deployment_describes(

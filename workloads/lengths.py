@@ -215,8 +215,8 @@ class Conversations(Lengths):
     def describe(self) -> str:
         shape = self.shape
         return (
-            f"a random turn of a {shape.name} chat ({shape.min_turns} + geometric turns, mean "
-            f"{shape.mean_turns:g}): prompt = the history, user messages lognormal mean "
+            f"a random turn of a {shape.name} chat (turns geometric, at least {shape.min_turns}, "
+            f"mean {shape.mean_turns:g}): prompt = the history, user messages lognormal mean "
             f"{shape.user_tokens:g}, answers mean {shape.assistant_tokens:g} (sigma "
             f"{shape.sigma:g}, at most {shape.max_message_tokens}); {self._asked()}"
         )

@@ -35,7 +35,14 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from config import DEFAULT_PATH, ConfigError, Deployment, deployment_serving, load_deployment
+from config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_PATH,
+    ConfigError,
+    Deployment,
+    deployment_serving,
+    load_deployment,
+)
 from transport.client import Http3Pool, StreamError, split_url
 from transport.qos import stream_spec
 from transport.schedulers import SCHEDULERS
@@ -57,6 +64,7 @@ from workloads.generate import (
     parse_mix,
     requests,
 )
+from workloads.lengths import ALL as LENGTHS
 from workloads.metrics import Outcome, format_summary, summarize
 from workloads.plots import plot_run
 from workloads.request import Request, load_requests
@@ -450,8 +458,11 @@ def _range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def build_workload(args: argparse.Namespace) -> tuple[WorkloadSpec, str]:
-    """The spec the flags describe, and a one-line description of its arrivals."""
+def build_workload(
+    args: argparse.Namespace, context: int = DEFAULT_MAX_MODEL_LEN
+) -> tuple[WorkloadSpec, str]:
+    """The spec the flags describe, and a one-line description of its arrivals; `context`: the
+    deployment's, which --lengths fits requests into."""
     shape = TaskShape(args.prompt_tokens, args.output_tokens)
     common: dict[str, Any] = {
         "tasks": parse_mix(args.tasks),
@@ -461,6 +472,8 @@ def build_workload(args: argparse.Namespace) -> tuple[WorkloadSpec, str]:
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_output_tokens": args.max_output_tokens,
     }
+    if args.lengths:
+        common |= {"lengths": LENGTHS[args.lengths], "context": context}
     if args.prompts_file:
         common["prompts"] = load_prompts(args.prompts_file)
     if args.arrivals == "trace":
@@ -657,6 +670,13 @@ def parser() -> argparse.ArgumentParser:
         help="LO:HI prompt tokens (default: the examples' own length)",
     )
     con.add_argument("--output-tokens", type=_range, default=(32, 128), help="LO:HI")
+    con.add_argument(
+        "--lengths",
+        choices=list(LENGTHS),
+        help="prompt and answer lengths and max_tokens of a workloads.lengths distribution, in "
+        "place of --prompt-tokens and --output-tokens, fitted to the deployment's context; each "
+        "answer ends at its drawn length (sent as min_tokens): implies --no-ignore-eos",
+    )
     con.add_argument("--max-prompt-tokens", type=int, default=None)
     con.add_argument("--max-output-tokens", type=int, default=None)
     con.add_argument("--prompts-file", help='JSONL of {"task": ..., "prompt": ...} rows')
@@ -702,6 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.cv is None:
         args.cv = 4.0 if args.arrivals == "maf1" else 1.0
+    if args.lengths:
+        args.ignore_eos = False  # the answers' lengths are drawn: max_tokens is only a cap
     if (
         args.arrivals not in ("trace", "maf1")
         and args.duration is None
@@ -718,7 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workload, what = chat_workload(args)
         else:
             args.rate = 1.0 if args.rate is None else args.rate
-            spec, what = build_workload(args)
+            spec, what = build_workload(args, deployment.max_model_len)
             workload = list(requests(spec, args.seed, args.duration, args.num_requests))
             if args.exact_rate:
                 workload = exact_rate(workload, args)
