@@ -51,6 +51,7 @@ BEFORE = POLICY_DIR / "previous" / "paper-4gpu.npz"
 """The DQN shipped before it read lengths (issue 38), kept to compare with."""
 MARGIN = 0.005
 """How far below the tuned threshold policy the DQN may fall."""
+HELD_OUT_NAMES = frozenset(d.name for d in HELD_OUT)
 
 
 def thresholds(
@@ -108,7 +109,7 @@ def one_cell(
     for policy, make in policies(deployment, dqn, before, tuned[rule]).items():
         done = simulate(deployment, make(), spec, seed, requests=requests)
         rows.append({
-            "lengths": lengths_name, "held_out": lengths_name in {d.name for d in HELD_OUT},
+            "lengths": lengths_name, "held_out": lengths_name in HELD_OUT_NAMES,
             "admission": rule, "rate": rate, "seed": seed, "policy": policy,
             "requests": len(done), "mean_reward": mean_reward(deployment, done),
             "slo": float(np.mean([f.slo_met for f in done])),
@@ -148,7 +149,7 @@ def table(rows: Sequence[dict[str, object]], models: Sequence[str]) -> list[str]
         flag_static = "!" if over_static < 0 else ""
         flag_threshold = "!" if over_threshold < -MARGIN else ""
         misses += bool(flag_static) + bool(flag_threshold)
-        held = " (held out)" if lengths in {d.name for d in HELD_OUT} else ""
+        held = " (held out)" if lengths in HELD_OUT_NAMES else ""
         lines.append(
             f"| {lengths}{held} | {rule} | {rate:g} | {by['dqn']:.3f} | "
             f"{by.get('dqn-before', float('nan')):.3f} | {by['threshold']:.3f} | "
@@ -174,7 +175,7 @@ def plot(rows: Sequence[dict[str, object]], path: Path) -> None:
         for name in names:
             rates = sorted(r for n, a, r in by if n == name and a == rule)
             margin = [by[name, rule, r]["dqn"] - by[name, rule, r]["threshold"] for r in rates]
-            held = name in {d.name for d in HELD_OUT}
+            held = name in HELD_OUT_NAMES
             ax.plot(rates, margin, marker="o" if held else ".", ls="--" if held else "-",
                     label=name + (" (held out)" if held else ""))  # fmt: skip
         ax.axhline(-MARGIN, color="grey", lw=0.8)

@@ -20,6 +20,9 @@ from workloads import Request
 
 
 class Observer:
+    """A request as the policy sees it, in the gateway's order: counted in the arrival rate,
+    checked by admission control, then encoded with the output the predictor expects."""
+
     def __init__(
         self, deployment: Deployment, encoder: FeatureEncoder, admission: Admission | None = None
     ) -> None:

@@ -190,8 +190,8 @@ class Validation:
         from, validated on a grid of them by rate (`router.evaluate.grid_reward`; none: six
         episodes of seed 004's lengths at random rates); `admission_rules`: those training
         draws from, the validation run under each (none: the deployment's); `guard`: a policy
-        the one picked must not fall behind on seed 004's workload
-        by more than GUARD_MARGIN, where any checkpoint keeps to that (`guard_rewards`)."""
+        the one picked must not fall behind on seed 004's workload by more than GUARD_MARGIN,
+        where any checkpoint keeps to that (`guard_rewards`)."""
         self.deployment = deployment
         self.simulators = simulators
         self.lengths = tuple(lengths)
@@ -240,7 +240,7 @@ class Validation:
             "validation": self.evaluations,
         }
         if self.guard is not None:
-            guard = getattr(self.guard, "meta", {})
+            guard = self.guard.meta
             meta["guard"] = {"margin": GUARD_MARGIN, "worst_margins": self.margins,
                              "policy": guard.get("trained_by") or guard.get("command")}  # fmt: skip
         policy = DqnPolicy(best.layers, best.meta | meta)
