@@ -26,7 +26,7 @@ must agree, and in-flight must be back at 0.
     python -m benchmarks.prefix_twin --scenario client-killed --concurrency 300
     python -m benchmarks.prefix_twin --deployment paper-4gpu-sim --lengths conversations \
         --time-scale 1 --rate 64 --requests 1900 --scenario engines-die \
-        --policies router/policies/paper-4gpu.npz,router/policies/previous/paper-4gpu.npz
+        --policies router/policies/paper-4gpu-lengths.npz,router/policies/paper-4gpu.npz
 """
 
 from __future__ import annotations

@@ -230,9 +230,9 @@ def main() -> int:
     parser.add_argument(
         "--before",
         type=Path,
-        default=ROOT / "router" / "policies" / "previous" / "paper-4gpu.npz",
-        help="a DQN to time beside the first deployment's own (default: the one shipped before "
-        "it read lengths); 'none': skip",
+        default=ROOT / "router" / "policies" / "paper-4gpu-lengths.npz",
+        help="a DQN to time beside the first deployment's own (default: the one that reads "
+        "request lengths); 'none': skip",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args()

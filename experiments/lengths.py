@@ -3,7 +3,7 @@
 Every length distribution of `workloads.lengths`, those trained on and those held out, at each
 rate (Poisson, every class of the deployment alike), with admission control off and on, over
 several seeds; on the same requests, the DQN that reads the request's lengths (the deployment's
-policy, or --policy-file), the one shipped before it (--before), the threshold policy tuned on
+policy, or --policy-file), another DQN to compare with (--compare), the threshold policy tuned on
 the training distributions (under each admission rule) and every one-model baseline. In the
 simulator: virtual time, the machine does not move the numbers.
 
@@ -12,7 +12,7 @@ DQN's margin over the best one-model policy (target: >= 0) and over the tuned th
 (target: >= -0.005), each the mean over seeds. Writes results/lengths/<deployment>.csv (a row
 per run), the table as markdown (.md) and a plot (.png).
 
-With --live, instead: the DQN against the one before it on the live server (`paper-4gpu-sim`,
+With --live, instead: the DQN against --compare's on the live server (`paper-4gpu-sim`,
 the twin: simulated engines in real time behind the real transport, gateway and router), on the
 same requests of a held-out distribution (`--live-lengths`, default conversations) at 4 and 16
 req/s, sent over HTTP/3 by the load generator with each answer's length as min_tokens (where the
@@ -47,8 +47,9 @@ from workloads.lengths import ALL, HELD_OUT, TRAINING
 RATES = GRID_RATES
 ADMISSION_RULES: tuple[Literal["none", "deadline"], ...] = ("none", "deadline")
 POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
-BEFORE = POLICY_DIR / "previous" / "paper-4gpu.npz"
-"""The DQN shipped before it read lengths (issue 38), kept to compare with."""
+COMPARE = POLICY_DIR / "paper-4gpu-lengths.npz"
+"""The DQN trained across request lengths, which the default replaced back (it scores lower on
+the seed's own workload), kept to compare with; its column is named after its file."""
 MARGIN = 0.005
 """How far below the tuned threshold policy the DQN may fall."""
 HELD_OUT_NAMES = frozenset(d.name for d in HELD_OUT)
@@ -76,13 +77,18 @@ def thresholds(
     return {rule: tuned[rule]["thresholds"] for rule in ADMISSION_RULES}
 
 
+def _label(path: Path | None) -> str:
+    """The column of the DQN compared with: its file's name."""
+    return "" if path is None else path.stem
+
+
 def policies(
     deployment: Deployment, dqn: Path, before: Path | None, tuned: dict[str, int]
 ) -> dict[str, Callable[[], Policy]]:
     """Name -> a factory of each policy compared (all keep no state between runs)."""
     out: dict[str, Callable[[], Policy]] = {}
-    for name, path in (("dqn", dqn), ("dqn-before", before)):
-        if path is not None:
+    for name, path in (("dqn", dqn), (_label(before), before)):
+        if path is not None and name:
             policy = DqnPolicy.load(path)
             policy.check_fits(deployment)
             out[name] = lambda policy=policy: policy  # type: ignore[misc]
@@ -130,10 +136,11 @@ def summary(rows: Sequence[dict[str, object]]) -> dict[Key, dict[str, float]]:
     return {k: {p: float(np.mean(v)) for p, v in by.items()} for k, by in runs.items()}
 
 
-def table(rows: Sequence[dict[str, object]], models: Sequence[str]) -> list[str]:
-    """The markdown table: each cell's rewards, and the DQN's margins (! marks a miss)."""
+def table(rows: Sequence[dict[str, object]], models: Sequence[str], other: str) -> list[str]:
+    """The markdown table: each cell's rewards, and the DQN's margins (! marks a miss);
+    `other`: the column of the DQN compared with."""
     seeds = len({r["seed"] for r in rows})
-    head = ["lengths", "admission", "rate", "dqn", "dqn-before", "threshold", "best one-model",
+    head = ["lengths", "admission", "rate", "dqn", other or "-", "threshold", "best one-model",
             "dqn - best one-model", "dqn - threshold"]  # fmt: skip
     lines = [
         f"Mean reward per request, mean of {seeds} seeds; ! marks a missed target "
@@ -152,7 +159,7 @@ def table(rows: Sequence[dict[str, object]], models: Sequence[str]) -> list[str]
         held = " (held out)" if lengths in HELD_OUT_NAMES else ""
         lines.append(
             f"| {lengths}{held} | {rule} | {rate:g} | {by['dqn']:.3f} | "
-            f"{by.get('dqn-before', float('nan')):.3f} | {by['threshold']:.3f} | "
+            f"{by.get(other, float('nan')):.3f} | {by['threshold']:.3f} | "
             f"{by[best]:.3f} ({best.removesuffix('-only')}) | {over_static:+.3f}{flag_static} | "
             f"{over_threshold:+.3f}{flag_threshold} |"
         )
@@ -238,9 +245,9 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=DEFAULT_PATH)
     parser.add_argument("--deployment", default="paper-4gpu")
     parser.add_argument("--policy-file", type=Path, help="default: the deployment's DQN")
-    parser.add_argument("--before", type=Path, default=BEFORE,
-                        help="the DQN to compare with (default: the one shipped before "
-                        "issue 38, for paper-4gpu); 'none': no other")  # fmt: skip
+    parser.add_argument("--compare", type=Path, default=COMPARE,
+                        help="another DQN to compare with (default: the one trained across "
+                        "request lengths, for paper-4gpu); 'none': no other")  # fmt: skip
     parser.add_argument("--lengths", type=lambda s: s.split(","), default=list(ALL),
                         help=f"distributions (default: all: {','.join(ALL)})")  # fmt: skip
     parser.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",")],
@@ -252,7 +259,7 @@ def main() -> int:
     parser.add_argument(
         "--live",
         action="store_true",
-        help="the DQN against --before on the live twin instead (see above)",
+        help="the DQN against --compare's on the live twin instead (see above)",
     )
     parser.add_argument("--live-deployment", default="paper-4gpu-sim")
     parser.add_argument("--live-lengths", default="conversations", choices=list(ALL))
@@ -269,10 +276,10 @@ def main() -> int:
     if unknown := [n for n in args.lengths if n not in ALL]:
         parser.error(f"unknown distribution(s) {', '.join(unknown)} (known: {', '.join(ALL)})")
     dqn = args.policy_file or Path(deployment.policy_file or POLICY_DIR / f"{deployment.name}.npz")
-    before = None if str(args.before) == "none" or not args.before.exists() else args.before
+    before = None if str(args.compare) == "none" or not args.compare.exists() else args.compare
     if args.live:
         twin = load_deployment(args.config, args.live_deployment)
-        dqns = {"dqn": dqn} | ({"dqn-before": before} if before is not None else {})
+        dqns = {"dqn": dqn} | ({_label(before): before} if before is not None else {})
         live_rows = run_live(args, twin, dqns)
         write_csv(args.results / "live.csv", live_rows)
         for r in live_rows:
@@ -290,7 +297,7 @@ def main() -> int:
             rows += done
     stem = args.results / deployment.name
     write_csv(stem.with_suffix(".csv"), rows)
-    lines = table(rows, deployment.models)
+    lines = table(rows, deployment.models, _label(before))
     command = "python -m experiments.lengths " + " ".join(sys.argv[1:])
     stem.with_suffix(".md").write_text(f"`{command.strip()}`\n\n" + "\n".join(lines) + "\n")
     plot(rows, stem.with_suffix(".png"))

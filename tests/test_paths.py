@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,7 +197,8 @@ def test_a_network_aware_policy_starts_from_the_blind_one() -> None:
 
     from router.train import export, start_from
 
-    blind = DqnPolicy.load(PAPER.policy.path or "")
+    # One that reads lengths, as the deployment's layout does: only the path is new to it.
+    blind = DqnPolicy.load(Path(__file__).parent.parent / "router/policies/paper-4gpu-lengths.npz")
     env = RoutingEnv(PAPER_MIXED)
     model = DQN("MlpPolicy", env, policy_kwargs={"net_arch": [256, 256]}, device="cpu")
     start_from(model, blind, PAPER_MIXED, only_new=True)

@@ -182,10 +182,11 @@ def test_a_deployment_routes_with_another_policy_file_only_where_there_is_one(
 
     from config import ConfigError
 
-    previous = Path(__file__).resolve().parent.parent / "router/policies/previous/paper-4gpu.npz"
-    swapped = PAPER.with_policy_file(previous)
-    assert swapped.policy_file == str(previous) and swapped.policy.net_path is None
-    assert not DqnPolicy.load(swapped.policy_file).encoder.reads_lengths
+    other = Path(__file__).resolve().parent.parent / "router/policies/paper-4gpu-lengths.npz"
+    swapped = PAPER.with_policy_file(other)
+    assert swapped.policy_file == str(other) and swapped.policy.net_path is None
+    assert DqnPolicy.load(swapped.policy_file).encoder.reads_lengths
+    assert not DqnPolicy.load(PAPER.policy_file).encoder.reads_lengths  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no policy file at"):
         PAPER.with_policy_file(Path(str(tmp_path)) / "missing.npz")
 
