@@ -128,8 +128,9 @@ def live_policy(name: str) -> tuple[str | None, str]:
 
 
 def runs_live(name: str) -> bool:
-    """Whether a policy of the seed's experiments has a live counterpart (see `live_policy`)."""
-    return name != "threshold"
+    """Whether a policy of the seed's experiments has a live counterpart (see `live_policy`): the
+    tuned threshold policy has none, nor the DQNs beside the deployment's own."""
+    return name not in ("threshold", "dqn-previous", "dqn-net")
 
 
 def add_live_arguments(parser: argparse.ArgumentParser) -> None:

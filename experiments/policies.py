@@ -23,6 +23,21 @@ from router.policies import (
 )
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
+PREVIOUS = DEFAULT_POLICY_DIR / "previous" / "paper-4gpu.npz"
+"""The DQN the shipped paper-4gpu policy replaced: the seed's figures must not fall below it."""
+MARGIN = 0.005
+"""How far below the best of the others the DQN may fall, on the seed's figures."""
+
+
+def add_previous_argument(parser: argparse.ArgumentParser) -> None:
+    """--previous: the DQN the deployment's replaced, compared with (`dqn-previous`)."""
+    parser.add_argument(
+        "--previous",
+        type=Path,
+        default=PREVIOUS,
+        help="the DQN the deployment's replaced, run beside it as dqn-previous (default: "
+        "router/policies/previous/paper-4gpu.npz, where it exists); 'none': no other",
+    )
 
 
 def tuned_thresholds(deployment: Deployment, results: Path) -> dict[str, int]:
@@ -44,11 +59,13 @@ def baselines(
     results: Path,
     dqn: Path | None = None,
     only: Collection[str] | None = None,
+    previous: Path | None = None,
 ) -> dict[str, Callable[[], Policy]]:
     """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls), for
     every baseline or those named in `only`. The DQN is `dqn`, else the deployment's own trained
     policy, else router/policies/<deployment>.npz; it is left out if there is none. `dqn-net`
-    is the deployment's network-aware DQN (`policy.net_path`), where it has one."""
+    is the deployment's network-aware DQN (`policy.net_path`), where it has one;
+    `dqn-previous`, the DQN `previous` (the one the deployment's replaced), where given."""
     wanted = set(only) if only is not None else None
 
     def want(name: str) -> bool:
@@ -61,6 +78,10 @@ def baselines(
         trained = DqnPolicy.load(dqn)
         trained.check_fits(deployment)
         policies["dqn"] = lambda: trained
+    if want("dqn-previous") and previous is not None and previous.exists():
+        before = DqnPolicy.load(previous)
+        before.check_fits(deployment)
+        policies["dqn-previous"] = lambda: before
     net = deployment.policy.net_path if deployment.policy.name == "dqn" else None
     if want("dqn-net") and net is not None and Path(net).exists():
         aware = DqnPolicy.load(net)

@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
 from experiments.output import as_float, as_int, write_csv
-from experiments.policies import add_admission_argument, baselines
+from experiments.policies import MARGIN, add_admission_argument, add_previous_argument, baselines
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
@@ -72,7 +73,8 @@ def runs(args: argparse.Namespace, policies: Sequence[str]) -> list[tuple[str, f
 
 def run(args: argparse.Namespace, deployment: Deployment) -> list[dict[str, object]]:
     only = quick_policies(deployment) if args.quick else None
-    policies = baselines(deployment, args.results, args.policy_file, only)
+    previous = None if str(args.previous) == "none" else args.previous
+    policies = baselines(deployment, args.results, args.policy_file, only, previous)
     rows: list[dict[str, object]] = []
     for name, rate, seed in tqdm(runs(args, list(policies)), unit="run", desc="simulated"):
         spec = WorkloadSpec(arrivals=Poisson(rate))
@@ -101,7 +103,7 @@ def run_live(
 
 
 def quick_policies(deployment: Deployment) -> list[str]:
-    return ["dqn", *(f"{m}{live.STATIC_SUFFIX}" for m in deployment.models)]
+    return ["dqn", "dqn-previous", *(f"{m}{live.STATIC_SUFFIX}" for m in deployment.models)]
 
 
 def mean_by(
@@ -112,6 +114,46 @@ def mean_by(
     for r in rows:
         groups.setdefault((str(r["policy"]), as_float(r["rate"])), []).append(as_float(r[key]))
     return {k: float(reduce(v)) for k, v in groups.items()}
+
+
+def dominates(
+    by: dict[tuple[str, float, int], float],
+    seeds: list[int],
+    rates: Sequence[float],
+    statics: list[str],
+) -> list[str]:
+    """At every rate, the DQN against the best of the DQN it replaced, the tuned threshold policy
+    and the best one-model policy, paired by seed: its mean margin must not fall below -MARGIN."""
+    rivals = [p for p in ("dqn-previous", "threshold") if (p, rates[0], seeds[0]) in by]
+    lines = [f"{'rate':>6} {'dqn':>7} " + " ".join(f"{p:>12}" for p in rivals)
+             + f" {'best static':>12} {'margin':>8} {'95% ci':>7}"]  # fmt: skip
+    missed = []
+    for rate in rates:
+        best = {p: float(np.mean([by[p, rate, s] for s in seeds])) for p in rivals}
+        static = max(statics, key=lambda p: np.mean([by[p, rate, s] for s in seeds]))
+        best[static] = float(np.mean([by[static, rate, s] for s in seeds]))
+        top = max(best, key=best.__getitem__)
+        paired = [by["dqn", rate, s] - by[top, rate, s] for s in seeds]
+        margin, ci = float(np.mean(paired)), interval(paired)
+        if margin < -MARGIN:
+            missed.append(f"{rate:g}")
+        dqn = np.mean([by["dqn", rate, s] for s in seeds])
+        lines.append(f"{rate:>6g} {dqn:>7.3f} " + " ".join(f"{best[p]:>12.3f}" for p in rivals)
+                     + f" {best[static]:>12.3f} {margin:>+8.4f} {ci:>7.4f}"
+                     + ("!" if margin < -MARGIN else ""))  # fmt: skip
+    lines.append(
+        f"DQN >= max({', '.join(rivals)}, best static) - {MARGIN} at every rate (paired, mean "
+        "over seeds): " + ("met" if not missed else f"missed at {', '.join(missed)} req/s")
+    )
+    return lines
+
+
+def interval(paired: Sequence[float]) -> float:
+    """Half-width of the 95% confidence interval of the mean of paired differences."""
+    if len(paired) < 2:
+        return float("nan")
+    return float(stats.t.ppf(0.975, len(paired) - 1) * np.std(paired, ddof=1)
+                 / np.sqrt(len(paired)))  # fmt: skip
 
 
 def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]) -> list[str]:
@@ -133,6 +175,7 @@ def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]
         "DQN >= best static at every rate (paired over seeds, within one std): "
         + ("met" if not short else "missed at " + ", ".join(short))
     )
+    lines += dominates(by, seeds, rates, statics)
     # At light load the biggest model alone is the best there is: the DQN should keep 95% of its
     # reward. Only a rate where that model meets its SLO says so; past its knee it serves
     # nothing, and a ratio to it means nothing.
@@ -308,6 +351,7 @@ def main() -> int:
                         "one-model baselines, one seed")  # fmt: skip
     live.add_live_arguments(parser)
     add_admission_argument(parser)
+    add_previous_argument(parser)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
     live.check_live_arguments(parser, args)

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
 from experiments.output import as_float, as_int, write_csv
-from experiments.policies import add_admission_argument, baselines
+from experiments.policies import add_admission_argument, add_previous_argument, baselines
+from experiments.stable import interval
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
 from workloads.generate import WorkloadSpec
@@ -63,9 +64,15 @@ def report(rows: list[dict[str, object]], deployment: Deployment, caption: str) 
         for k in ("0.99", "0.96"):
             ratio = totals["dqn"][k] / max(1, totals[big][k])
             print(f"DQN / {big}, windows >= {k}: {ratio:.2f}x")
-    if "dqn" in policies and "threshold" in policies:
-        margin = np.mean(rewards["dqn"]) - np.mean(rewards["threshold"])
-        print(f"DQN - tuned threshold, mean reward: {margin:+.4f}")
+    for rival in ("dqn-previous", "threshold"):
+        if "dqn" in policies and rival in policies:
+            paired = [as_float(a["mean_reward"]) - as_float(b["mean_reward"])
+                      for a in rows if a["policy"] == "dqn"
+                      for b in rows if b["policy"] == rival and b["seed"] == a["seed"]]  # fmt: skip
+            margin = float(np.mean(paired))
+            print(f"DQN - {rival}, mean reward, paired over seeds: {margin:+.4f} "
+                  f"(95% ci {interval(paired):.4f}; target >= 0): "
+                  + ("met" if margin >= 0 else "missed"))  # fmt: skip
 
 
 def run_live(
@@ -111,6 +118,7 @@ def main() -> int:
                         help="the DQN and the biggest model alone, one seed of 300 s")  # fmt: skip
     live.add_live_arguments(parser)
     add_admission_argument(parser)
+    add_previous_argument(parser)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args()
@@ -122,7 +130,8 @@ def main() -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     only = ["dqn", f"{deployment.models[-1]}{live.STATIC_SUFFIX}"] if args.quick else None
-    policies = baselines(deployment, args.results, args.policy_file, only)
+    previous = None if str(args.previous) == "none" else args.previous
+    policies = baselines(deployment, args.results, args.policy_file, only, previous)
     arrivals = (
         SwitchingRate(levels=args.levels, mean_duration_s=args.mean_level_s)
         if args.levels

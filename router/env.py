@@ -36,7 +36,8 @@ never terminated, because the cluster runs on past it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ import numpy as np
 
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.admission import Admission, Shed, admission_for
-from router.features import FeatureEncoder
+from router.features import Encoder, FeatureEncoder
 from router.paths import ClientPaths, PathDraw
 from router.route import Observer
 from router.sim import DEFAULT_PROMPT_TOKENS, OK, SHED, Finished, Simulator
@@ -103,7 +104,7 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         simulator: Callable[[], Simulator] | None = None,
         credit: Literal["finish", "request"] = "finish",
         admission: Admission | None = None,
-        encoder: FeatureEncoder | None = None,
+        encoder: Encoder | None = None,
         admission_rules: Sequence[Literal["deadline", "none"]] = (),
     ) -> None:
         """`workloads` draws each episode's workload (default: RandomRates over the deployment's
@@ -123,13 +124,15 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self._new_simulator = simulator or (lambda: Simulator.from_deployment(deployment))
         self.admission = admission or admission_for(deployment)
         self.admission_rules = tuple(admission_rules)
-        self.encoder = encoder or FeatureEncoder.for_deployment(deployment)
+        self.encoder: Encoder = encoder or FeatureEncoder.for_deployment(deployment)
         self.models = deployment.models
         n_actions = len(self.models) if action == "model" else len(deployment.replicas)
         self.action_space = gym.spaces.Discrete(n_actions)
         self.observation_space = gym.spaces.Box(0.0, np.inf, (self.encoder.size,), np.float32)
         self.sim: Simulator | None = None
         self.request: Request | None = None
+        self.obs: np.ndarray | None = None
+        """The current request's observation."""
         self._admitted: ClusterView | None = None
         """The current request's view, as admission control let it in."""
         self.finished: list[Finished] = []
@@ -159,7 +162,9 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         mix = self.deployment.paths
         self.paths = ClientPaths(mix, workload_seed) if mix is not None else None
         self._draws = {}
-        self._requests: Iterator[Request] = requests(spec, workload_seed, duration, limit)
+        # All of them up front, so that a fork (`fork`) goes on with the same ones.
+        self.requests = list(requests(spec, workload_seed, duration, limit))
+        self.next_request = 0
         obs = self._arrive()
         if obs is None:
             raise ValueError("the workload has no request that is let in")
@@ -187,6 +192,18 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         self.finished += done
         return done
 
+    def action_mask(self) -> np.ndarray:
+        """The actions the current request may take: those its layout allows (the per-action
+        layout's, `router.action_features`), else those admission control allows (a model
+        with a replica that may take it, or a replica that may)."""
+        view = self.view()
+        allowed = getattr(self.encoder, "allowed", None)
+        if allowed is not None and self.obs is not None:
+            return allowed(self.obs)
+        if self.action_kind == "replica":
+            return np.array([r.available for r in view.replicas])
+        return np.array([view.least_loaded(m) is not None for m in self.models])
+
     def replica_for(self, action: int, view: ClusterView) -> int:
         return view.replica_for(action, None if self.action_kind == "replica" else self.models)
 
@@ -195,19 +212,36 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
         assert self.sim is not None
         return self._admitted if self._admitted is not None else self.sim.view()
 
+    def fork(self) -> RoutingEnv:
+        """This episode as it stands, to go on apart (`router.hindsight` tries what each
+        action would lead to): its own simulator, rate estimate, output predictor and client
+        paths; the requests to come are the same. Its `finished` starts empty, and steps it
+        takes credit rewards as `credit` says; nothing of it reaches this one."""
+        assert self.sim is not None
+        env = copy.copy(self)
+        env.sim = self.sim.fork()
+        env.observer = self.observer.fork()
+        env.paths = self.paths.fork() if self.paths is not None else None
+        env._draws = dict(self._draws)
+        env._routed_at = dict(self._routed_at)
+        env.finished = []
+        return env
+
     def _arrive(self) -> np.ndarray | None:
         """Move to the next request that is let in; its observation, or None at the end."""
         assert self.sim is not None
-        for request in self._requests:
+        while self.next_request < len(self.requests):
+            request = self.requests[self.next_request]
+            self.next_request += 1
             self.finished += self._delivered(self.sim.advance(request.arrival))
             if self.paths is not None:
                 draw = self._draws[request.request_id] = self.paths.draw()
                 request = replace(request, path=self.paths.estimates[draw.name])
             seen = self.observer.observe(request, self.sim.view())
             if not isinstance(seen, Shed):
-                obs, self._admitted = seen
+                self.obs, self._admitted = seen
                 self.request = request
-                return obs
+                return self.obs
             self._draws.pop(request.request_id, None)
             self.finished.append(Finished.shed(request))
         return None

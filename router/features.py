@@ -7,6 +7,7 @@ sees exactly the same features when it routes live requests.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 
@@ -29,6 +30,31 @@ TOKEN_SCALE = 512.0
 TOKEN_CAP = 4.0
 """...capped at 4 (2,048 tokens, OPT's whole context, which every shipped policy was trained
 on): on a deployment of a longer context, every request longer than that reads alike."""
+
+
+class Encoder(Protocol):
+    """An observation layout: what the gateway and the simulator encode a request as."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def reads_lengths(self) -> bool:
+        """Whether `encode` wants the request's expected output (else it is not computed)."""
+        ...
+
+    def encode(
+        self,
+        view: ClusterView,
+        request: Request,
+        rate: float,
+        elapsed_s: float = 0.0,
+        expected: float | None = None,
+    ) -> np.ndarray: ...
+
+    def budget(self, request: Request, elapsed_s: float = 0.0) -> Budget | None:
+        """The request's remaining budget over its path, where the layout reads paths."""
+        ...
 
 
 class ArrivalRateEstimator:
@@ -79,6 +105,11 @@ class OutputPredictor:
         self.context = context
         self.weight = weight
         self._mean: dict[tuple[str | None, str, int], float] = {}
+
+    def fork(self) -> OutputPredictor:
+        predictor = OutputPredictor(self.context, self.weight)
+        predictor._mean = dict(self._mean)
+        return predictor
 
     @staticmethod
     def _kind(request: Request) -> tuple[str | None, str, int]:

@@ -79,10 +79,24 @@ class KvCache:
         self._idle: OrderedDict[int, None] = OrderedDict()
         """Cached blocks no request holds, least recently used first."""
 
+    def fork(self) -> KvCache:
+        """A copy that goes on apart and tells no one of its blocks."""
+        kv = KvCache(self.capacity, self.block_size)
+        kv.held = self.held
+        kv._refs = dict(self._refs)
+        kv._idle = OrderedDict(self._idle)
+        return kv
+
     @property
     def free(self) -> int:
         """Blocks neither held nor cached."""
         return self.capacity - self.held - len(self._idle)
+
+    @property
+    def idle(self) -> int:
+        """Cached blocks no request holds: reclaimed, least recently used first, when a new
+        block finds none free."""
+        return len(self._idle)
 
     @property
     def cached(self) -> int:

@@ -32,6 +32,7 @@ and pacing.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from dataclasses import dataclass
@@ -469,6 +470,12 @@ class ClientPaths:
         shares = np.array([mix.paths[n].share for n in self.names], dtype=float)
         self._cumulative = np.cumsum(shares / shares.sum())
         self._rng = np.random.default_rng([seed, 17])
+
+    def fork(self) -> ClientPaths:
+        """A copy whose draws go on as this one's would, apart from it."""
+        paths = copy.copy(self)
+        paths._rng = copy.deepcopy(self._rng)
+        return paths
 
     def draw(self) -> PathDraw:
         u, seed = self._rng.random(), int(self._rng.integers(2**63))

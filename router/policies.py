@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
-from router.features import FeatureEncoder
+from router.action_features import ActionFeatures
+from router.features import Encoder, FeatureEncoder
 from router.prefix import ModelThenReplica, PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
 from workloads import Request
@@ -150,6 +151,22 @@ class QualityThreshold:
         return fallback
 
 
+def q_values(
+    layers: list[tuple[np.ndarray, np.ndarray]], obs: np.ndarray, actions: int | None = None
+) -> np.ndarray:
+    """A network's `layers` (ReLU between them), each as (its weights transposed, its bias), on
+    one observation, in numpy: flat, or (`actions`) one row of the observation per action
+    through the same layers."""
+    x = obs if actions is None else obs.reshape(actions, -1)
+    last = len(layers) - 1
+    for i, (w, b) in enumerate(layers):
+        x = x @ w
+        x += b
+        if i < last:
+            np.maximum(x, 0.0, out=x)
+    return x if actions is None else x[:, 0]
+
+
 class DqnPolicy:
     """A trained Q-network evaluated as numpy matrix products: no torch in the routing path.
 
@@ -159,40 +176,81 @@ class DqnPolicy:
 
     def __init__(self, layers: list[tuple[np.ndarray, np.ndarray]], meta: dict[str, Any]) -> None:
         self.layers = [(w.astype(np.float32), b.astype(np.float32)) for w, b in layers]
+        # Transposed and contiguous once: a row times each is the hot path's one product.
+        self._forward = [(np.ascontiguousarray(w.T), b) for w, b in self.layers]
         self.meta = meta
         self.action = meta["action"]
         self.models: list[str] = meta["models"]
-        self.encoder = FeatureEncoder(
-            meta["replicas"],
-            meta["tasks"],
-            meta["qos_classes"],
-            meta.get("batch_scale", 32.0),
-            meta.get("rate_scale", 48.0),
-            meta.get("path_deadlines"),
-            meta.get("tpot_s", 0.04),
-            meta.get("token_scale"),
-            meta.get("context", DEFAULT_MAX_MODEL_LEN),
-        )
+        self.masked = bool(meta.get("masked", False))
+        """Trained with the actions admission control rules out masked: it chooses among those
+        the view allows (earlier policies took their best action and the gateway swapped a
+        ruled-out choice for the least-loaded replica it allows)."""
+        self.per_action = meta.get("layout") == "per-action"
+        """A row of features per action through one network (`router.action_features`): its
+        layout is computed from the deployment's profile, so it is built when the policy is
+        bound to one (`bind`)."""
+        self.encoder: Encoder = (
+            _Unbound() if self.per_action else FeatureEncoder(
+                meta["replicas"],
+                meta["tasks"],
+                meta["qos_classes"],
+                meta.get("batch_scale", 32.0),
+                meta.get("rate_scale", 48.0),
+                meta.get("path_deadlines"),
+                meta.get("tpot_s", 0.04),
+                meta.get("token_scale"),
+                meta.get("context", DEFAULT_MAX_MODEL_LEN),
+            )
+        )  # fmt: skip
         """The observation layout it was trained on; the gateway encodes with this one, so a task
         or class added to models.yaml later reaches the network as "none of those it knows". A
         policy that reads the request's lengths records their scale (`token_scale`; those
         trained before do not); a network-aware one (trained with a path mix) adds its
         requests' paths and budgets."""
 
+    def bind(self, deployment: Deployment) -> None:
+        """Build a per-action layout on `deployment` (its profile, SLO and classes as the
+        policy recorded them); a flat one needs nothing."""
+        if self.per_action:
+            self.encoder = ActionFeatures(
+                deployment, paths=bool(self.meta.get("paths")), classes=self.meta["qos_classes"]
+            )
+
     def q_values(self, obs: np.ndarray) -> np.ndarray:
-        x = obs
-        last = len(self.layers) - 1
-        for i, (w, b) in enumerate(self.layers):
-            x = w @ x + b
-            if i < last:
-                np.maximum(x, 0.0, out=x)
-        return x
+        return q_values(self._forward, obs, len(self.models) if self.per_action else None)
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        action = int(np.argmax(self.q_values(obs)))
+        q = self.q_values(obs)
+        if self.per_action:
+            assert isinstance(self.encoder, ActionFeatures)
+            values = q.tolist()
+            allowed = [a for a, ok in enumerate(self.encoder.allowed(obs).tolist()) if ok]
+            if not allowed:
+                raise ValueError("no replica is available")
+            return _least_loaded(view, self.models[max(allowed, key=values.__getitem__)])
+        if self.masked:
+            return self._best_allowed(q, view)
+        action = int(np.argmax(q))
         if self.action == "replica":
             return action
         return _least_loaded(view, self.models[action])
+
+    def _best_allowed(self, q: np.ndarray, view: ClusterView) -> int:
+        """The replica of the best action among those the view allows (a model with a replica
+        that may take the request, or such a replica): the others are masked, as in training."""
+        best, choice = -np.inf, None
+        for action, value in enumerate(q.tolist()):
+            if value <= best:
+                continue
+            if self.action == "replica":
+                replica: int | None = action if view.replicas[action].available else None
+            else:
+                replica = view.least_loaded(self.models[action])
+            if replica is not None:
+                best, choice = value, replica
+        if choice is None:
+            raise ValueError("no replica is available")
+        return choice
 
     def save(self, path: str | Path) -> None:
         arrays = {f"w{i}": w for i, (w, _) in enumerate(self.layers)}
@@ -254,11 +312,32 @@ class DqnPolicy:
         )
 
 
-def encoder_for(policy: Policy, deployment: Deployment) -> FeatureEncoder:
+def encoder_for(policy: Policy, deployment: Deployment) -> Encoder:
     """The observation layout to route `policy` with: a trained policy brings the one it learned
-    on (network-blind or network-aware), the others take the deployment's."""
+    on (network-blind or network-aware, flat or per action), the others take the deployment's."""
+    if isinstance(policy, DqnPolicy):
+        if isinstance(policy.encoder, _Unbound):
+            policy.bind(deployment)
+        return policy.encoder
     own = getattr(policy, "encoder", None)
-    return own if isinstance(own, FeatureEncoder) else FeatureEncoder.for_deployment(deployment)
+    return (
+        own
+        if isinstance(own, FeatureEncoder | ActionFeatures)
+        else (FeatureEncoder.for_deployment(deployment))
+    )
+
+
+class _Unbound:
+    """A per-action policy's layout before it is bound to a deployment (`DqnPolicy.bind`)."""
+
+    size = 0
+    reads_lengths = True
+
+    def encode(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise RuntimeError("a per-action policy routes only once bound to a deployment (bind)")
+
+    def budget(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def _dqn(deployment: Deployment) -> DqnPolicy:
@@ -266,6 +345,7 @@ def _dqn(deployment: Deployment) -> DqnPolicy:
         raise ValueError(f"deployment {deployment.name!r}: policy dqn needs a path")
     policy = DqnPolicy.load(deployment.policy_file)
     policy.check_fits(deployment)
+    policy.bind(deployment)
     return policy
 
 

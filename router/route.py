@@ -6,13 +6,14 @@ co-simulation)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import numpy as np
 
 from config import Deployment
 from router.admission import Admission, Shed, admission_for
-from router.features import ArrivalRateEstimator, FeatureEncoder, OutputPredictor
+from router.features import ArrivalRateEstimator, Encoder, OutputPredictor
 from router.policies import Policy, encoder_for
 from router.sim import OK, Finished
 from router.view import ClusterView
@@ -24,13 +25,21 @@ class Observer:
     checked by admission control, then encoded with the output the predictor expects."""
 
     def __init__(
-        self, deployment: Deployment, encoder: FeatureEncoder, admission: Admission | None = None
+        self, deployment: Deployment, encoder: Encoder, admission: Admission | None = None
     ) -> None:
         """`admission`: default, the deployment's rule."""
         self.encoder = encoder
         self.admission = admission or admission_for(deployment)
         self.rate = ArrivalRateEstimator()
         self.predictor = OutputPredictor(deployment.max_model_len)
+
+    def fork(self) -> Observer:
+        """A copy that learns apart: its own rate estimate and output predictor (admission
+        control is shared: in the simulator it learns nothing)."""
+        observer = copy.copy(self)
+        observer.rate = copy.copy(self.rate)
+        observer.predictor = self.predictor.fork()
+        return observer
 
     def observe(
         self, request: Request, view: ClusterView, now: float | None = None

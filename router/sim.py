@@ -20,9 +20,9 @@ iteration (the gateway aborts it, so its token never counts).
 
 from __future__ import annotations
 
+import copy
 import functools
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +39,9 @@ from workloads import Request
 
 DEFAULT_PROMPT_TOKENS = 64
 """Assumed for a request whose prompt length is not known in advance."""
+
+QUIET_RUN = 2
+"""The fewest quiet iterations (`Batcher.quiet`) the simulator runs as one event."""
 
 OK, DEADLINE, SHED = "ok", "deadline", "shed"
 """How a request ended: its last token, its first-token deadline (504), or refused at the door
@@ -99,6 +102,13 @@ class Job:
     cached_tokens: int = 0
     """Prompt tokens it found cached when last admitted."""
     preempted: bool = False
+
+    def fork(self) -> Job:
+        """A copy to run on in another simulator (`Simulator.fork`)."""
+        job = copy.copy(self)
+        if self.hold is not None:
+            job.hold = Hold(list(self.hold.hashes), self.hold.private)
+        return job
 
 
 def max_output_tokens(request: Request, context: int) -> int:
@@ -177,6 +187,14 @@ class Batcher:
     def in_flight(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def fork(self) -> Batcher:
+        """A copy that goes on apart: its own jobs and KV cache, which tells no one."""
+        batch = copy.copy(self)
+        batch.waiting = [job.fork() for job in self.waiting]
+        batch.running = [job.fork() for job in self.running]
+        batch.kv = self.kv.fork() if self.kv is not None else None
+        return batch
+
     def add(self, job: Job) -> None:
         job.prefill = self._prompt(job)
         self.waiting.append(job)
@@ -246,6 +264,61 @@ class Batcher:
         if not self.running:
             return None
         return self.steps[len(self.running)] + computed * self.profile.prefill_s_per_token
+
+    def quiet(self) -> int:
+        """How many iterations in a row, from the next, would only give each running request a
+        token: nothing waits to be admitted or preempted, every prompt is computed, no request
+        ends or reaches its deadline, and (with a KV cache) the blocks their growing output
+        needs are free or idle, so that none is preempted. 0: the next may do more."""
+        if self.waiting or not self.running:
+            return 0
+        least = self.running[0].remaining
+        for job in self.running:
+            if job.prefill or job.first_token is None:
+                return 0
+            if job.remaining < least:
+                least = job.remaining
+        quiet = least - 1  # the iteration that ends a request is not quiet
+        if self.kv is not None:
+            while quiet > 1 and self._blocks_for(quiet) > self.kv.free + self.kv.idle:
+                quiet //= 2
+        return quiet
+
+    def _blocks_for(self, iterations: int) -> int:
+        """The blocks `iterations` quiet iterations add to the running requests' holds."""
+        kv = self.kv
+        assert kv is not None
+        size, blocks = kv.block_size, 0
+        for job in self.running:
+            hold = job.hold
+            assert hold is not None
+            # The context its last iteration reads: what it has and what comes before.
+            context = self._prompt(job) + job.tokens - job.remaining + iterations - 1
+            blocks += max(0, -(-context // size) - len(hold.hashes) - hold.private)
+        return blocks
+
+    def decode(self, iterations: int) -> None:
+        """`iterations` quiet iterations (`quiet`) ended: each running request got as many
+        tokens, and its KV blocks grew with them, as those iterations one by one would have."""
+        if iterations <= 0:
+            return
+        kv = self.kv
+        for job in self.running:
+            if kv is not None:
+                hold = job.hold
+                assert hold is not None
+                context = self._prompt(job) + job.tokens - job.remaining + iterations - 1
+                for _ in range(-(-context // kv.block_size) - len(hold.hashes) - hold.private):
+                    kv.extend(hold)  # there is room: `quiet` counted it
+            job.remaining -= iterations
+        self.owed -= iterations * len(self.running)
+
+    def grow_running(self) -> None:
+        """The blocks the iteration in progress reads, where it is quiet: its start grew each
+        running request's hold (idempotent: a hold already that large is left alone)."""
+        if self.kv is not None:
+            for job in self.running:
+                self._grow(job)
 
     def _admit(self, job: Job) -> bool:
         """Hold `job`'s blocks if they fit, and take its cached prefix off its prefill."""
@@ -338,6 +411,11 @@ class Devices:
     def stop(self, device: str) -> None:
         self._busy[device] -= 1
 
+    def fork(self) -> Devices:
+        devices = Devices(self.interference)
+        devices._busy = dict(self._busy)
+        return devices
+
 
 @dataclass
 class _Replica:
@@ -346,7 +424,14 @@ class _Replica:
     device: str
     batch: Batcher
     busy_until: float | None = None
-    """End of the iteration in progress; None while idle."""
+    """End of the iteration in progress (of the quiet run in progress); None while idle."""
+    quiet: tuple[float, float, int] | None = None
+    """While it runs quiet iterations (`Batcher.quiet`) in one go: when the first began, how
+    long each takes, and how many there are."""
+    decoded: int = 0
+    """Of those, how many its batch has been given (`Batcher.decode`)."""
+    epoch: int = 0
+    """Moves on when its next event does: an older one left in the queue is void."""
 
 
 class Simulator:
@@ -405,8 +490,17 @@ class Simulator:
         """Told, at the end of every iteration, which requests it gave a token (their
         `remaining` says whether it was the last): for a co-simulation that sends each token as
         it is made. None, the default, costs the simulator nothing."""
-        self._events: list[tuple[float, int, int]] = []  # (time, seq, replica index)
-        self._seq = itertools.count()
+        self._events: list[tuple[float, int, int, int]] = []  # (time, seq, replica, epoch)
+        self._pushed = 0
+        """Events pushed so far: the tie-break of events at the same time, first come first."""
+        self._quiet: set[int] = set()
+        """The replicas in a quiet run."""
+        self._hears_kv = on_kv_event is not None
+        devices = [r.device for r in self.replicas]
+        self._neighbours = [
+            [j for j, other in enumerate(devices) if other == d and j != i]
+            for i, d in enumerate(devices)
+        ]
 
     @classmethod
     def from_deployment(cls, deployment: Deployment, **kwargs: Any) -> Simulator:
@@ -427,13 +521,43 @@ class Simulator:
         kwargs.setdefault("max_model_len", deployment.max_model_len)
         return cls(replicas, deployment.profile.models, deployment.slo, **kwargs)
 
+    def fork(self) -> Simulator:
+        """A copy of the simulator as it is now, which goes on apart: to try what a decision
+        would lead to (`router.hindsight`). It tells no one of its tokens or KV blocks."""
+        sim = copy.copy(self)
+        sim.replicas = [
+            _Replica(
+                r.name, r.model, r.device, r.batch.fork(), r.busy_until, r.quiet, r.decoded, r.epoch
+            )  # fmt: skip
+            for r in self.replicas
+        ]
+        sim.devices = self.devices.fork()
+        sim.on_tokens = None
+        sim._events = list(self._events)
+        sim._quiet = set(self._quiet)
+        sim._hears_kv = False
+        return sim
+
     def view(self) -> ClusterView:
         return ClusterView(
             tuple(
-                ReplicaState(r.name, r.model, r.batch.in_flight, True, r.batch.owed)
+                ReplicaState(r.name, r.model, r.batch.in_flight, True, self._owed(r))
                 for r in self.replicas
             )
         )
+
+    def _owed(self, r: _Replica) -> int:
+        """Output tokens still owed at `r` now, counting the tokens of a quiet run's iterations
+        ended by now that its batch has not been given yet (`sync`)."""
+        if r.quiet is None:
+            return r.batch.owed
+        return r.batch.owed - (self._ended(r) - r.decoded) * len(r.batch.running)
+
+    def _ended(self, r: _Replica) -> int:
+        """How many of `r`'s quiet iterations have ended by now."""
+        assert r.quiet is not None
+        start, step, count = r.quiet
+        return min(count, int((self.now - start) / step))
 
     def submit(self, request: Request, replica: int) -> None:
         """Queue `request` at `replica` at the current time (its arrival, for the SLO)."""
@@ -443,38 +567,110 @@ class Simulator:
         r.batch.add(Job(request, self.now, deadline, tokens, tokens))
         if r.busy_until is None:
             self._start_iteration(replica)
+            self._busy_changed(replica)
+        elif r.quiet is not None:  # it joins the batch when the iteration in progress ends
+            self._cut(replica)
 
     def advance(self, until: float) -> list[Finished]:
         """Run every iteration that ends by `until`; return the requests that ended."""
         finished: list[Finished] = []
-        while self._events and self._events[0][0] <= until:
-            at, _, index = heapq.heappop(self._events)
+        events, replicas = self._events, self.replicas
+        while events and events[0][0] <= until:
+            at, _, index, epoch = heapq.heappop(events)
+            if epoch != replicas[index].epoch:
+                continue
             self.now = at
             finished += self._end_iteration(index)
         self.now = max(self.now, until)
+        if self._hears_kv:  # the KV blocks the iterations in progress took, as they took them
+            self.sync()
         return finished
+
+    def sync(self) -> None:
+        """Give every replica in a quiet run what its iterations gave by now: the tokens of those
+        that ended, the KV blocks of the one in progress. Until then `view` counts the tokens,
+        and nothing but a listener of the caches' events sees the blocks."""
+        for index in self._quiet:
+            r = self.replicas[index]
+            ended = self._ended(r)
+            r.batch.decode(ended - r.decoded)
+            r.decoded = ended
+            r.batch.grow_running()
 
     def next_event(self) -> float | None:
         """When the next iteration ends (None: every replica is idle)."""
-        return self._events[0][0] if self._events else None
+        events = self._events
+        while events and events[0][3] != self.replicas[events[0][2]].epoch:
+            heapq.heappop(events)
+        return events[0][0] if events else None
 
     def drain(self) -> list[Finished]:
         """Run until every submitted request has ended."""
         finished: list[Finished] = []
-        while self._events:
-            finished += self.advance(self._events[0][0])
+        while (at := self.next_event()) is not None:
+            finished += self.advance(at)
         return finished
 
-    def _start_iteration(self, index: int) -> None:
+    # Quiet runs: where a replica's next iterations would only give each running request a
+    # token (`Batcher.quiet`), they are one event instead of one each, so that a request alone
+    # on a replica costs a few events instead of one per token. They are the same iterations,
+    # each as long as the first (its batch and its device's busy neighbours are the same); the
+    # k-th ends at start + k x step, where one by one they would sum to within a few ulps of
+    # it. What would change them cuts the run at
+    # the end of the iteration in progress, where the batcher takes over again: a request
+    # submitted to the replica, or a neighbour on its device going busy or idle. What anyone
+    # reads between events is as the iterations left it: `view` counts the tokens of those
+    # ended, `sync` gives them to the batch.
+
+    def _start_iteration(self, index: int) -> bool:
+        """Start `index`'s next iteration, or quiet run; False: it has no work (idle)."""
         r = self.replicas[index]
+        if self.on_tokens is None and (quiet := r.batch.quiet()) >= QUIET_RUN:
+            step = r.batch.steps[len(r.batch.running)] * self.devices.start(r.device)
+            at = self.now + quiet * step
+            r.quiet, r.decoded, r.busy_until = (self.now, step, quiet), 0, at
+            self._quiet.add(index)
+            self._push(at, index)
+            return True
         cost = r.batch.begin()
         if cost is None:
-            return
+            return False
         r.busy_until = self.now + cost * self.devices.start(r.device)
-        heapq.heappush(self._events, (r.busy_until, next(self._seq), index))
+        self._push(r.busy_until, index)
+        return True
+
+    def _push(self, at: float, index: int) -> None:
+        self._pushed += 1
+        heapq.heappush(self._events, (at, self._pushed, index, self.replicas[index].epoch))
+
+    def _cut(self, index: int) -> None:
+        """End `index`'s quiet run with the iteration in progress."""
+        r = self.replicas[index]
+        assert r.quiet is not None
+        start, step, count = r.quiet
+        through = self._ended(r) + 1  # those ended by now, and the one in progress
+        if through >= count:
+            return
+        r.quiet = (start, step, through)
+        r.busy_until = start + through * step
+        r.epoch += 1
+        self._push(r.busy_until, index)
+
+    def _busy_changed(self, index: int) -> None:
+        """`index` went busy or idle: its neighbours' next iterations run at another speed."""
+        for j in self._neighbours[index]:
+            if self.replicas[j].quiet is not None:
+                self._cut(j)
 
     def _end_iteration(self, index: int) -> list[Finished]:
         r = self.replicas[index]
+        if r.quiet is not None:  # a quiet run ended: none of its requests did
+            r.batch.decode(r.quiet[2] - r.decoded)
+            r.quiet, r.decoded = None, 0
+            self._quiet.discard(index)
+            self.devices.stop(r.device)
+            self._start_iteration(index)
+            return []
         served = list(r.batch.running) if self.on_tokens is not None else []
         ended = r.batch.end(self.now)
         if self.on_tokens is not None:
@@ -483,7 +679,8 @@ class Simulator:
         done = [self._end(index, job, outcome) for job, outcome in ended]
         r.busy_until = None
         self.devices.stop(r.device)
-        self._start_iteration(index)
+        if not self._start_iteration(index):
+            self._busy_changed(index)
         return done
 
     def _end(self, index: int, job: Job, outcome: str) -> Finished:

@@ -44,6 +44,7 @@ class StaleSimulator(Simulator):
 
     def _mine(self, router: int) -> list[tuple[int, int]]:
         """The router's own (in flight, owed) at each replica, exactly."""
+        self.sync()  # each job's tokens as of now
         mine = [(0, 0)] * len(self.replicas)
         for job in self._own[router].values():
             _, replica = self._owner[id(job)]

@@ -1,13 +1,22 @@
-"""`python -m router.train`: train the DQN router in simulation (seed 004 §5.1).
+"""`python -m router.train`: train the DQN router in simulation.
 
-Double DQN, a 2 x 256 MLP, learning rate 1e-4, discount 0.99, a target network copied every 500
-steps, epsilon-greedy exploration; 1.2 M steps by default, on the deployment's latency profile
-with a random rate each episode (`router.env.RandomRates`).
+Double DQN (`router.dqn`) on the routing environment (`router.env`): one step routes one
+request, with a random rate each episode (`router.env.RandomRates`), request lengths from the
+training distributions (`workloads.lengths`) and admission control on or off per episode. By
+default the network reads a row of features per model (`router.action_features`: what sending
+the request there would mean for its SLO, from the deployment's profile) through one small MLP
+shared by the rows, and chooses only among the models expected to serve the request in time,
+else the least-loaded replica's; `--layout flat` trains the layout of the policies before it
+(every replica's load, the task, the request's lengths, into one MLP), whose actions are masked
+only where admission control rules them out.
 
-Writes, under `--logdir` (default results/router/<deployment>/): TensorBoard logs, checkpoints
-with the replay buffer (so `--resume` continues where a run stopped), and the learning curve
-(learning-curve.json and .png). The trained network goes to `--out` (default
-router/policies/<deployment>.npz) as numpy arrays, the form the gateway routes with.
+Every `--eval-every` steps the greedy network is validated on a grid of the training
+distributions by rate under each admission rule (`router.evaluate.grid_reward`, workloads drawn
+from their own seeds); the best of them, among those that keep to `--guard`, is saved to `--out`
+(default router/policies/<deployment>.npz). Under `--logdir` (default results/router/<deployment>/):
+each validated network (checkpoints/step-<N>.npz, which `--pick-best` validates again), the
+newest training state with its replay buffer (checkpoints/state.pt, which `--resume` goes on
+from), and the learning curve (learning-curve.json and .png).
 """
 
 from __future__ import annotations
@@ -19,163 +28,170 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch as th
-import torch.nn.functional as F
-from stable_baselines3 import DQN
-from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
+from router.action_features import ActionFeatures
+from router.dqn import DoubleDqn, Hyperparameters, ReplayBuffer
 from router.env import RoutingEnv
 from router.evaluate import grid_reward, guard_rewards, training_sampler, validation_reward
-from router.features import FeatureEncoder
+from router.features import Encoder, FeatureEncoder
 from router.policies import DqnPolicy
 from router.sim import Simulator
 from router.stale import StaleSimulator
 from workloads.lengths import TRAINING, Lengths, named
 
-HYPERPARAMETERS: dict[str, Any] = {
-    "learning_rate": 1e-4,
-    "gamma": 0.99,
-    "target_update_interval": 500,
-    "policy_kwargs": {"net_arch": [256, 256]},
-    "buffer_size": 200_000,
-    "learning_starts": 10_000,
-    "batch_size": 64,
-    "train_freq": 4,
-    "exploration_fraction": 0.1,
-    "exploration_final_eps": 0.02,
+LAYOUTS = ("per-action", "flat")
+HYPERPARAMETERS = {
+    # A smaller network for the per-action layout: it sees each model's row alone, and the rows
+    # carry what the flat network had to learn (validated: 64x64 against 256x256 on the grid).
+    "per-action": Hyperparameters(gamma=0.95, net_arch=(64, 64)),
+    "flat": Hyperparameters(),
 }
+"""The defaults of each layout (`router.dqn.Hyperparameters`)."""
 
 
-class DoubleDQN(DQN):
-    """DQN with the Double Q-learning target (van Hasselt et al., 2016): the online network picks
-    the next action and the target network values it.
-
-    SB3's DQN takes the max of the target network, which over-estimates; SB3 has no flag for
-    this, so `train` is SB3's own with that one line changed (marked)."""
-
-    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
-        self.policy.set_training_mode(True)
-        self._update_learning_rate(self.policy.optimizer)
-        losses = []
-        for _ in range(gradient_steps):
-            data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
-            discounts = data.discounts if data.discounts is not None else self.gamma
-            with th.no_grad():
-                # Double Q: argmax from the online network, value from the target network.
-                best = self.q_net(data.next_observations).argmax(dim=1, keepdim=True)
-                next_q = th.gather(self.q_net_target(data.next_observations), 1, best)
-                target = data.rewards + (1 - data.dones) * discounts * next_q
-            current = th.gather(self.q_net(data.observations), 1, data.actions.long())
-            loss = F.smooth_l1_loss(current, target)
-            losses.append(loss.item())
-            self.policy.optimizer.zero_grad()
-            loss.backward()
-            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-            self.policy.optimizer.step()
-        self._n_updates += gradient_steps
-        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
-        self.logger.record("train/loss", np.mean(losses))
+def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
+    return RoutingEnv(
+        deployment,
+        training_sampler(deployment, named(args.lengths), (args.min_rate, args.max_rate)),
+        episode_requests=args.episode_requests,
+        action="model" if args.layout == "per-action" else args.action,
+        credit="request",
+        simulator=stale_simulators(deployment, args) if args.stale_ms else None,
+        admission_rules=args.admission_rules,
+        encoder=encoder_of(deployment, args.layout),
+    )
 
 
-class LateCredit(BaseCallback):
-    """Adds each late reward to the stored transition of the step that routed its request
-    (`RoutingEnv(credit="request")`).
+def encoder_of(deployment: Deployment, layout: str) -> Encoder:
+    if layout == "per-action":
+        return ActionFeatures(deployment)
+    return FeatureEncoder.for_deployment(deployment)
 
-    Every step's transition goes into the replay buffer, in order, right after this callback
-    runs; so the step `at` of the environment sits at (position at start + at) modulo the size.
-    A reward for the current step comes as the step's own reward, never late, so the transition
-    it belongs to is always stored before its credit arrives."""
 
-    def __init__(self, env: RoutingEnv) -> None:
-        super().__init__()
+def stale_simulators(
+    deployment: Deployment, args: argparse.Namespace, seed: int | None = None
+) -> Callable[[], Simulator]:
+    """Each episode's simulator: `args.routers` routers over the fleet, the one routing each
+    request seeing the others' requests as of a snapshot whose age each episode draws from
+    `args.stale_ms` (`router.stale`), as workers on several hosts would."""
+    rng = random.Random(args.seed if seed is None else seed)
+    intervals = [float(ms) / 1000 for ms in args.stale_ms.split(",")]
+
+    def simulator() -> Simulator:
+        return StaleSimulator.from_deployment(
+            deployment, routers=args.routers, interval_s=rng.choice(intervals),
+            seed=rng.randrange(2**31),
+        )  # fmt: skip
+
+    return simulator
+
+
+class Trainer:
+    """One training run's state: the environment, the agent, the replay buffer, the steps
+    taken and the learning curve (every finished episode's mean reward per request, late
+    credit included)."""
+
+    def __init__(self, env: RoutingEnv, hyper: Hyperparameters, seed: int, total: int) -> None:
         self.env = env
-
-    def _on_training_start(self) -> None:
-        buffer = self.model.replay_buffer  # type: ignore[attr-defined]
-        # One environment, and credit never older than the buffer: otherwise the mapping breaks.
-        assert self.model.n_envs == 1 and self.env.episode_requests < buffer.buffer_size
-        self.origin = buffer.pos - self.env.steps
-
-    def _on_step(self) -> bool:
-        buffer = self.model.replay_buffer  # type: ignore[attr-defined]
-        for info in self.locals.get("infos", []):
-            for at, reward in info.get("late_credit", ()):
-                buffer.rewards[(self.origin + at) % buffer.buffer_size, 0] += reward
-        return True
-
-
-class Progress(BaseCallback):
-    """A tqdm bar showing the mean reward per request of recent episodes, and the learning curve
-    (every finished episode's mean reward per request, late credit included) for the PNG."""
-
-    def __init__(self, total: int, episode_requests: int, show: bool = True) -> None:
-        super().__init__()
+        self.hyper = hyper
         self.total = total
-        self.show = show
-        self.episode_requests = episode_requests
+        row = env.encoder.row if isinstance(env.encoder, ActionFeatures) else None
+        actions = len(env.models) if env.action_kind == "model" else len(env.deployment.replicas)
+        size = env.encoder.size
+        self.agent = DoubleDqn(size, actions, hyper, seed, row)
+        self.buffer = ReplayBuffer(hyper.buffer_size, size, actions)
+        self.step = 0
         self.curve: list[tuple[int, float]] = []
+        self._seed = seed
         self._episode = 0.0
+        self._slots: dict[int, int] = {}
+        self._obs: np.ndarray | None = None
 
-    def _on_training_start(self) -> None:
-        from tqdm import tqdm
+    def run(self, until: int, tick: Callable[[], object] = lambda: None) -> None:
+        """Take steps until `until`: act, store the transition, credit late rewards to the
+        transitions of the steps that routed them, and learn every `train_freq` steps."""
+        env, agent, buffer, hyper = self.env, self.agent, self.buffer, self.hyper
+        if self._obs is None:
+            self._obs, _ = env.reset(seed=self._seed + self.step)
+        obs, mask = self._obs, env.action_mask()
+        while self.step < until:
+            action = agent.act(obs, mask, hyper.epsilon(self.step, self.total))
+            routed = env.steps
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            next_mask = env.action_mask() if not truncated else np.ones_like(mask)
+            self._slots[routed] = buffer.add(obs, action, reward, next_obs, terminated, next_mask)
+            self._episode += reward
+            for at, late in info.get("late_credit", ()):
+                buffer.credit(self._slots.pop(at), late)
+                self._episode += late
+            self.step += 1
+            if self.step > hyper.learning_starts and self.step % hyper.train_freq == 0:
+                agent.update(buffer)
+            if truncated:  # the episode's requests have all ended and been credited
+                self.curve.append((self.step, self._episode / env.episode_requests))
+                self._episode, self._slots = 0.0, {}
+                obs, _ = env.reset()
+                mask = env.action_mask()
+            else:
+                obs, mask = next_obs, next_mask
+            tick()
+        self._obs = obs
 
-        self.bar = tqdm(
-            total=self.total,
-            initial=self.num_timesteps,
-            unit="step",
-            smoothing=0.05,
-            mininterval=1.0,
-            disable=not self.show,
+    def save(self, path: Path) -> None:
+        """The state to go on from (`resume`): networks, optimiser, buffer, counters."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buffer = self.buffer
+        th.save(
+            {
+                "q": self.agent.q.state_dict(),
+                "target": self.agent.target.state_dict(),
+                "optimizer": self.agent.optimizer.state_dict(),
+                "updates": self.agent.updates,
+                "rng": self.agent.rng.bit_generator.state,
+                "step": self.step,
+                "curve": self.curve,
+                "buffer": {
+                    k: getattr(buffer, k)
+                    for k in (
+                        "obs",
+                        "next_obs",
+                        "action",
+                        "reward",
+                        "done",
+                        "next_mask",
+                        "pos",
+                        "full",
+                    )
+                },
+            },  # fmt: skip
+            path,
         )
 
-    def _on_step(self) -> bool:
-        self.bar.update(1)
-        for info, reward, done in zip(
-            self.locals["infos"], self.locals["rewards"], self.locals["dones"], strict=True
-        ):
-            self._episode += float(reward) + sum(r for _, r in info.get("late_credit", ()))
-            if done:
-                per_request, self._episode = self._episode / self.episode_requests, 0.0
-                self.curve.append((self.num_timesteps, per_request))
-                self.logger.record("rollout/reward_per_request", per_request)
-                recent = np.mean([r for _, r in self.curve[-20:]])
-                self.bar.set_postfix(reward=f"{recent:.3f}", refresh=False)
-        return True
-
-    def _on_training_end(self) -> None:
-        self.bar.close()
-
-
-def _step(path: Path) -> int:
-    """The training step in an SB3 checkpoint's file name (dqn_<step>_steps.zip, or .pkl)."""
-    return int(path.stem.split("_")[-2])
-
-
-def _checkpoints(directory: Path, pattern: str = "dqn_*_steps.zip") -> list[Path]:
-    """Checkpoint files in `directory`, oldest first."""
-    return sorted(directory.glob(pattern), key=_step)
-
-
-class Checkpoint(CheckpointCallback):
-    """SB3's checkpoints, keeping only the newest replay buffer (each is tens of megabytes)."""
-
-    def _on_step(self) -> bool:
-        result = super()._on_step()
-        for old in _checkpoints(Path(self.save_path), "dqn_replay_buffer_*_steps.pkl")[:-1]:
-            old.unlink()
-        return result
+    def resume(self, path: Path) -> None:
+        """Go on from a saved state. The requests in flight when it was saved never report
+        back: their few hundred transitions keep what was credited by then."""
+        state = th.load(path, weights_only=False)
+        self.agent.q.load_state_dict(state["q"])
+        self.agent.target.load_state_dict(state["target"])
+        self.agent.optimizer.load_state_dict(state["optimizer"])
+        self.agent.updates = state["updates"]
+        self.agent.rng.bit_generator.state = state["rng"]
+        self.step, self.curve = state["step"], [tuple(p) for p in state["curve"]]
+        for key, value in state["buffer"].items():
+            setattr(self.buffer, key, value)
 
 
 class Validation:
-    """The greedy policies seen so far, each with its mean reward on fixed validation workloads
-    (`router.evaluate.validation_reward`), and the best of them: what training ships, as SB3's
-    EvalCallback keeps a best model. DQN's greedy policy can get worse with more training (it
-    did here: see the README), so the last network is not necessarily the one to route with."""
+    """The greedy policies seen so far, each with its mean reward on fixed validation workloads,
+    and the best of them: what training ships. A DQN's greedy policy can get worse with more
+    training, so the last network is not necessarily the one to route with."""
 
     def __init__(
         self,
@@ -249,45 +265,57 @@ class Validation:
         return policy
 
 
-class BestPolicy(BaseCallback):
-    """Validates the greedy policy every `every` steps."""
+def export(agent: DoubleDqn, env: RoutingEnv, meta: dict[str, Any]) -> DqnPolicy:
+    """The online network as numpy layers, with the layout it reads and what its actions mean."""
+    deployment, encoder = env.deployment, env.encoder
+    layout: dict[str, Any] = {
+        "action": env.action_kind,
+        "models": deployment.models,
+        "replicas": [r.name for r in deployment.replicas],
+        "masked": True,
+    }
+    if isinstance(encoder, ActionFeatures):
+        layout |= {"layout": "per-action", "row": encoder.row, "paths": encoder.paths,
+                   "tasks": encoder.tasks, "qos_classes": encoder.classes,
+                   "context": encoder.context}  # fmt: skip
+    else:
+        assert isinstance(encoder, FeatureEncoder)
+        layout |= {
+            "replicas": encoder.replicas,
+            "tasks": list(encoder.tasks),
+            "qos_classes": list(encoder.qos_classes),
+            "batch_scale": encoder.batch_scale,
+            "rate_scale": encoder.rate_scale,
+        }
+        if encoder.reads_lengths:
+            layout |= {"token_scale": encoder.token_scale, "context": encoder.context}
+        if encoder.deadlines is not None:
+            layout |= {"path_deadlines": encoder.deadlines, "tpot_s": encoder.tpot_s}
+    policy = DqnPolicy(agent.layers(), meta | layout)
+    policy.bind(deployment)
+    return policy
 
-    def __init__(self, validation: Validation, env: RoutingEnv, every: int) -> None:
-        super().__init__()
-        self.validation, self.env, self.every = validation, env, every
 
-    def _on_step(self) -> bool:
-        if self.every and self.num_timesteps % self.every == 0:
-            self.evaluate()
-        return True
-
-    def evaluate(self) -> None:
-        policy = export(self.model, self.validation.deployment, self.env, {})  # type: ignore[arg-type]
-        reward = self.validation.record(self.num_timesteps, policy)
-        self.logger.record("eval/validation_reward", reward)
-
-
-def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: bool) -> None:
-    """Put a trained policy's network into `model` (online and target): each of the policy's
-    inputs goes to the same input of the deployment's layout (`inputs_of`), and the inputs the
-    policy lacks get zero weights, so that the model starts out routing exactly as it does. This
-    is how the network-aware router starts from the network-blind one, and a router that reads
-    lengths from one that does not.
+def start_from(agent: DoubleDqn, policy: DqnPolicy, env: RoutingEnv, only_new: bool) -> None:
+    """Put a trained policy's network into the agent (online and target): each of the policy's
+    inputs goes to the same input of the new layout (`inputs_of`), and the inputs the policy
+    lacks get zero weights, so that the agent starts out routing exactly as it does. This is
+    how the network-aware router starts from the network-blind one.
 
     With `only_new`, training then changes only the weights of those new inputs: the rest of the
-    network stays the policy's. The network-aware layout encodes a perfect path as zeros
-    (`router.features`), so on such a path the model routes as the policy does, however long it
-    trains: knowing the network costs nothing where it does not matter."""
-    policy.check_fits(deployment)
-    linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
+    network stays the policy's. A perfect path encodes as zeros in either layout, so on such a
+    path the agent routes as the policy does, however long it trains."""
+    policy.check_fits(env.deployment)
+    policy.bind(env.deployment)
+    linears = agent.q.linears()
     shapes = [tuple(m.weight.shape) for m in linears]
     if len(linears) != len(policy.layers) or any(
         w.shape[0] != shape[0] or (i > 0 and w.shape[1] != shape[1])
         for i, ((w, _), shape) in enumerate(zip(policy.layers, shapes, strict=True))
     ):
         raise SystemExit(f"--init-from: its layers {[w.shape for w, _ in policy.layers]} do not "
-                         f"fit the model's {shapes}")  # fmt: skip
-    known = inputs_of(policy.encoder, FeatureEncoder.for_deployment(deployment))
+                         f"fit the network's {shapes}")  # fmt: skip
+    known = inputs_of(policy.encoder, env.encoder)
     with th.no_grad():
         for i, (linear, (w, b)) in enumerate(zip(linears, policy.layers, strict=True)):
             linear.weight.zero_()
@@ -296,10 +324,10 @@ def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: 
             else:
                 linear.weight.copy_(th.from_numpy(w))
             linear.bias.copy_(th.from_numpy(b))
-    model.q_net_target.load_state_dict(model.q_net.state_dict())
+    agent.target.load_state_dict(agent.q.state_dict())
     if not only_new:
         return
-    for parameter in model.q_net.parameters():
+    for parameter in agent.q.parameters():
         parameter.requires_grad_(parameter is linears[0].weight)
 
     def new_inputs_only(grad: th.Tensor) -> th.Tensor:
@@ -310,10 +338,18 @@ def start_from(model: DQN, policy: DqnPolicy, deployment: Deployment, only_new: 
     linears[0].weight.register_hook(new_inputs_only)
 
 
-def inputs_of(old: FeatureEncoder, new: FeatureEncoder) -> list[int]:
-    """Where each input of layout `old` is in layout `new`: the replicas, tasks, rate and classes
-    first, then the lengths and the path, each where `new` has it. SystemExit where `new` lacks a
-    block `old` has, or the two differ in what comes first."""
+def inputs_of(old: Encoder, new: Encoder) -> list[int]:
+    """Where each input of layout `old` is in layout `new` (a row's, for per-action layouts):
+    what comes first in both, then the lengths and the path, each where `new` has it.
+    SystemExit where `new` lacks a block `old` has, or the two differ in what comes first."""
+    if isinstance(old, ActionFeatures) and isinstance(new, ActionFeatures):
+        # The path, where the new one reads it, is the end of its row.
+        if old.row > new.row or (old.paths and not new.paths) or old.shared_at != new.shared_at:
+            raise SystemExit(f"--init-from: its rows ({old.row}) are not a part of the "
+                             f"deployment's layout ({new.row})")  # fmt: skip
+        return list(range(old.row))
+    if not (isinstance(old, FeatureEncoder) and isinstance(new, FeatureEncoder)):
+        raise SystemExit("--init-from: a flat policy cannot start a per-action one, or back")
     base = old.lengths_at
     if (
         base != new.lengths_at
@@ -328,66 +364,6 @@ def inputs_of(old: FeatureEncoder, new: FeatureEncoder) -> list[int]:
     if old.deadlines is not None:
         where += range(new.path_at, new.path_at + 4)
     return where
-
-
-def make_env(deployment: Deployment, args: argparse.Namespace) -> RoutingEnv:
-    return RoutingEnv(
-        deployment,
-        training_sampler(deployment, named(args.lengths), (args.min_rate, args.max_rate)),
-        episode_requests=args.episode_requests,
-        action=args.action,
-        credit="request",
-        simulator=stale_simulators(deployment, args) if args.stale_ms else None,
-        admission_rules=args.admission_rules,
-    )
-
-
-def stale_simulators(
-    deployment: Deployment, args: argparse.Namespace, seed: int | None = None
-) -> Callable[[], Simulator]:
-    """Each episode's simulator: `args.routers` routers over the fleet, the one routing each
-    request seeing the others' requests as of a snapshot whose age each episode draws from
-    `args.stale_ms` (`router.stale`), as workers on several hosts would."""
-    rng = random.Random(args.seed if seed is None else seed)
-    intervals = [float(ms) / 1000 for ms in args.stale_ms.split(",")]
-
-    def simulator() -> Simulator:
-        return StaleSimulator.from_deployment(
-            deployment, routers=args.routers, interval_s=rng.choice(intervals),
-            seed=rng.randrange(2**31),
-        )  # fmt: skip
-
-    return simulator
-
-
-def export(model: DQN, deployment: Deployment, env: RoutingEnv, meta: dict[str, Any]) -> DqnPolicy:
-    """The online Q-network as numpy layers, with the layout it expects."""
-    linears = [m for m in model.q_net.q_net if isinstance(m, th.nn.Linear)]
-    layers = [(m.weight.detach().cpu().numpy(), m.bias.detach().cpu().numpy()) for m in linears]
-    encoder = env.encoder
-    return DqnPolicy(
-        layers,
-        meta
-        | {
-            "action": env.action_kind,
-            "models": deployment.models,
-            "replicas": encoder.replicas,
-            "tasks": list(encoder.tasks),
-            "qos_classes": list(encoder.qos_classes),
-            "batch_scale": encoder.batch_scale,
-            "rate_scale": encoder.rate_scale,
-        }
-        | (
-            {"token_scale": encoder.token_scale, "context": encoder.context}
-            if encoder.reads_lengths
-            else {}
-        )
-        | (
-            {"path_deadlines": encoder.deadlines, "tpot_s": encoder.tpot_s}
-            if encoder.deadlines is not None
-            else {}
-        ),
-    )
 
 
 def plot_curve(
@@ -417,84 +393,83 @@ def plot_curve(
     plt.close(fig)
 
 
+def hyperparameters(args: argparse.Namespace) -> Hyperparameters:
+    """The layout's defaults, with what the command line sets."""
+    hyper = HYPERPARAMETERS[args.layout]
+    if args.gamma is not None:
+        hyper = replace(hyper, gamma=args.gamma)
+    if args.net_arch is not None:
+        hyper = replace(hyper, net_arch=args.net_arch)
+    if args.train_freq is not None:
+        hyper = replace(hyper, train_freq=args.train_freq)
+    if args.batch_size is not None:
+        hyper = replace(hyper, batch_size=args.batch_size)
+    return replace(hyper, learning_starts=args.learning_starts)
+
+
 def train(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
+    from tqdm import tqdm
+
     th.set_num_threads(args.threads)
     args.logdir.mkdir(parents=True, exist_ok=True)
+    checkpoints = args.logdir / "checkpoints"
+    state = checkpoints / STATE
     if not args.resume or not (args.logdir / TRAINED_BY).exists():
         (args.logdir / TRAINED_BY).write_text(_command() + "\n")
     env = make_env(deployment, args)
-    found = _checkpoints(args.logdir / "checkpoints") if args.resume else []
-    checkpoint = found[-1] if found else None
-    if checkpoint is not None:
-        model = DoubleDQN.load(checkpoint, env=env, device="cpu")
-        buffer = checkpoint.with_name(
-            checkpoint.name.replace("dqn_", "dqn_replay_buffer_").replace(".zip", ".pkl")
-        )
-        if buffer.exists():
-            model.load_replay_buffer(buffer)
-        else:
-            print(f"warning: no {buffer.name}; the replay buffer starts empty", file=sys.stderr)
-        # The requests in flight at the checkpoint never report back: their few hundred
-        # transitions keep a reward of 0, out of a buffer of 200,000.
-        print(f"resuming from {checkpoint} at step {model.num_timesteps}", file=sys.stderr)
-    hyperparameters = HYPERPARAMETERS | {"learning_starts": args.learning_starts}
-    if checkpoint is None:
-        if args.resume:
-            print(f"no checkpoint in {args.logdir}; starting afresh", file=sys.stderr)
-        model = DoubleDQN(
-            "MlpPolicy",
-            env,
-            seed=args.seed,
-            device="cpu",
-            tensorboard_log=str(args.logdir / "tensorboard"),
-            **hyperparameters,
-        )
-        if args.init_from is not None:
-            start_from(model, DqnPolicy.load(args.init_from), deployment, args.only_new_inputs)
-    curve_file = args.logdir / "learning-curve.json"
-    progress = Progress(args.steps, args.episode_requests, show=not args.no_progress)
-    if checkpoint is not None and curve_file.exists():
-        progress.curve = [tuple(p) for p in json.loads(curve_file.read_text())]
+    hyper = hyperparameters(args)
+    trainer = Trainer(env, hyper, args.seed, args.steps)
+    if args.resume and state.exists():
+        trainer.resume(state)
+        print(f"resuming from {state} at step {trainer.step}", file=sys.stderr)
+    elif args.resume:
+        print(f"no checkpoint in {args.logdir}; starting afresh", file=sys.stderr)
+    elif args.init_from is not None:
+        start_from(trainer.agent, DqnPolicy.load(args.init_from), env, args.only_new_inputs)
     validation = _validation(deployment, args)
-    best = BestPolicy(validation, env, args.eval_every)
-    callbacks: list[BaseCallback] = [LateCredit(env), progress, best]
-    if args.checkpoint_every:
-        callbacks.append(
-            Checkpoint(
-                args.checkpoint_every,
-                str(args.logdir / "checkpoints"),
-                name_prefix="dqn",
-                save_replay_buffer=True,
-            )
-        )
+    meta = _meta(args, deployment, hyper)
     start = time.monotonic()
-    model.learn(
-        total_timesteps=max(0, args.steps - model.num_timesteps),
-        callback=callbacks,
-        reset_num_timesteps=checkpoint is None,
-        tb_log_name="dqn",
-    )
-    if not validation.evaluations or validation.evaluations[-1][0] != model.num_timesteps:
-        best.evaluate()  # the final network competes too
-    curve_file.write_text(json.dumps(progress.curve))
-    plot_curve(progress.curve, args.logdir / "learning-curve.png",
+    every = [n for n in (args.eval_every, args.checkpoint_every) if n]
+    with tqdm(total=args.steps, initial=trainer.step, unit="step", smoothing=0.05,
+              mininterval=1.0, disable=args.no_progress) as bar:  # fmt: skip
+        while trainer.step < args.steps:
+            stop = min([args.steps] + [(trainer.step // n + 1) * n for n in every])
+            trainer.run(stop, lambda: bar.update(1))
+            recent = [r for _, r in trainer.curve[-20:]]
+            if recent:
+                bar.set_postfix(reward=f"{np.mean(recent):.3f}", refresh=False)
+            if args.eval_every and trainer.step % args.eval_every == 0:
+                _validate(trainer, validation, checkpoints, bar)
+            if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
+                trainer.save(state)
+    if not validation.evaluations or validation.evaluations[-1][0] != trainer.step:
+        _validate(trainer, validation, checkpoints, None)  # the final network competes too
+    (args.logdir / "learning-curve.json").write_text(json.dumps(trainer.curve))
+    plot_curve(trainer.curve, args.logdir / "learning-curve.png",
                f"DQN router, {deployment.name}", validation.evaluations)  # fmt: skip
-    # A resumed model keeps its own learning_starts.
-    meta = _meta(args, deployment, model.num_timesteps, model.learning_starts)
-    meta["train_seconds"] = round(time.monotonic() - start, 1)
+    meta |= {"steps": trainer.step, "train_seconds": round(time.monotonic() - start, 1)}
     return validation.save(args.out, meta)
 
 
+def _validate(trainer: Trainer, validation: Validation, checkpoints: Path, bar: Any | None) -> None:
+    policy = export(trainer.agent, trainer.env, {})
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    policy.save(checkpoints / f"step-{trainer.step}.npz")
+    reward = validation.record(trainer.step, policy)
+    if bar is not None:
+        bar.write(f"step {trainer.step}: validation reward {reward:.4f}")
+
+
 def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPolicy:
-    """Validate every checkpoint of a finished run and save the best: for a run made before
-    training validated its own networks, or with --eval-every 0."""
-    env = make_env(deployment, args)
-    found = _checkpoints(args.logdir / "checkpoints")
+    """Validate every network a finished run kept and save the best: with another guard, say,
+    or for a run with --eval-every 0."""
+    found = sorted((args.logdir / "checkpoints").glob("step-*.npz"), key=_step)
     if not found:
         raise SystemExit(f"no checkpoints in {args.logdir / 'checkpoints'}")
     validation = _validation(deployment, args)
     for path in found:
-        policy = export(DoubleDQN.load(path, device="cpu"), deployment, env, {})
+        policy = DqnPolicy.load(path)
+        policy.bind(deployment)
         reward = validation.record(_step(path), policy)
         print(f"step {_step(path):>9}: validation reward {reward:.4f}", file=sys.stderr)
     curve_file = args.logdir / "learning-curve.json"
@@ -502,9 +477,13 @@ def pick_checkpoint(args: argparse.Namespace, deployment: Deployment) -> DqnPoli
         curve = [tuple(p) for p in json.loads(curve_file.read_text())]
         plot_curve(curve, args.logdir / "learning-curve.png",
                    f"DQN router, {deployment.name}", validation.evaluations)  # fmt: skip
-    return validation.save(
-        args.out, _meta(args, deployment, _step(found[-1]), args.learning_starts)
-    )
+    meta = _meta(args, deployment, hyperparameters(args)) | {"steps": _step(found[-1])}
+    return validation.save(args.out, meta)
+
+
+def _step(path: Path) -> int:
+    """The training step in a kept network's file name (step-<N>.npz)."""
+    return int(path.stem.split("-")[-1])
 
 
 def _validation(deployment: Deployment, args: argparse.Namespace) -> Validation:
@@ -525,16 +504,17 @@ def _validation_simulators(
 
 VALIDATION_STALE_SEED = 20_261_128
 GUARD_MARGIN = 0.005
+STATE = "state.pt"
+TRAINED_BY = "command.txt"
 
 
 def _meta(
-    args: argparse.Namespace, deployment: Deployment, steps: int, learning_starts: int
+    args: argparse.Namespace, deployment: Deployment, hyper: Hyperparameters
 ) -> dict[str, Any]:
     """What a saved policy says about the run that made it."""
     return {
         "deployment": deployment.name,
         "path_mix": deployment.path_mix,
-        "steps": int(steps),
         "seed": args.seed,
         "stale_view": {"routers": args.routers, "staleness_ms": args.stale_ms}
         if args.stale_ms
@@ -545,7 +525,7 @@ def _meta(
         # The rewards it learned from: a policy trained on another table is stale.
         "quality": deployment.quality,
         "quality_source": deployment.quality_source,
-        "hyperparameters": _hyperparameters(HYPERPARAMETERS | {"learning_starts": learning_starts}),
+        "hyperparameters": asdict(hyper) | {"double_q": True, "layout": args.layout},
         # What it was trained on: the lengths it knows, and the load.
         "training": {
             "rates": [args.min_rate, args.max_rate],
@@ -568,16 +548,6 @@ def _trained_by(logdir: Path) -> str:
     return written.read_text().strip() if written.exists() else _command()
 
 
-TRAINED_BY = "command.txt"
-
-
-def _hyperparameters(hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in hyperparameters.items() if k != "policy_kwargs"} | {
-        "net_arch": hyperparameters["policy_kwargs"]["net_arch"],
-        "double_q": True,
-    }
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m router.train",
@@ -594,12 +564,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", type=int, default=1_200_000, help="total training steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--action", choices=["model", "replica"], default="model")
+    parser.add_argument("--layout", choices=LAYOUTS, default="per-action",
+                        help="what the network reads (see above; default per-action)")  # fmt: skip
+    parser.add_argument("--action", choices=["model", "replica"], default="model",
+                        help="the flat layout's actions (per-action: the models)")  # fmt: skip
+    parser.add_argument("--gamma", type=float, help="discount (default: the layout's)")
+    parser.add_argument(
+        "--net-arch",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        help="hidden layers, e.g. 64,64 (default: the layout's)",
+    )
+    parser.add_argument("--train-freq", type=int, help="steps between updates (default 4)")
+    parser.add_argument("--batch-size", type=int, help="transitions an update (default 64)")
     parser.add_argument("--episode-requests", type=int, default=1000)
     parser.add_argument(
         "--learning-starts",
         type=int,
-        default=HYPERPARAMETERS["learning_starts"],
+        default=Hyperparameters().learning_starts,
         help="random steps before the first update",
     )
     parser.add_argument(
@@ -642,13 +623,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --init-from: train only the weights of the inputs that policy lacks",
     )
-    parser.add_argument("--checkpoint-every", type=int, default=100_000, help="0: never")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100_000,
+        help="steps between saves of the training state, for --resume (0: never)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--pick-best",
         action="store_true",
-        help="train nothing: validate the checkpoints in --logdir and save the best to --out",
+        help="train nothing: validate the networks a run in --logdir kept and save the best",
     )
     parser.add_argument(
         "--guard",
@@ -684,6 +670,8 @@ def main() -> int:
         parser.error(f"--admission-rules: unknown {', '.join(sorted(unknown))} (deadline, none)")
     if args.steps <= 0 or args.episode_requests <= 0 or not 0 < args.min_rate <= args.max_rate:
         parser.error("--steps, --episode-requests > 0 and 0 < --min-rate <= --max-rate, please")
+    if args.layout == "per-action" and args.action != "model":
+        parser.error("--action replica: the per-action layout's actions are the models")
     package = Path(__file__).resolve().parent
     name = deployment.name + ("-net" if deployment.paths is not None else "")
     args.out = args.out or package / "policies" / f"{name}.npz"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -10,11 +11,13 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from config import load_deployment
+from router.action_features import ActionFeatures
+from router.dqn import DoubleDqn, Hyperparameters
 from router.env import RoutingEnv
 from router.evaluate import mean_reward, simulate, tune_threshold
-from router.features import FeatureEncoder
 from router.policies import DqnPolicy, PrefixHash, RandomModel, Static
-from router.train import DoubleDQN, LateCredit, build_parser, train
+from router.sim import SHED, Finished
+from router.train import Trainer, build_parser, make_env, train
 from router.view import ClusterView, ReplicaState
 from tests.conftest import ROOT, Server, wait_until
 from workloads import Message, Request
@@ -59,15 +62,16 @@ def test_rewards_credit_every_finished_request_exactly_once() -> None:
 
 def test_a_short_training_run_beats_random_routing(tmp_path: Path) -> None:
     flags = "--steps 12000 --learning-starts 2000 --seed 0 --no-progress --checkpoint-every 0 "
-    flags += "--lengths seed"  # the lengths it is scored on: 12,000 steps learn one
+    flags += "--eval-every 0 --lengths seed"  # the lengths it is scored on: 12,000 steps learn one
     out = ["--out", str(tmp_path / "p.npz"), "--logdir", str(tmp_path / "log")]
     args = build_parser().parse_args(flags.split() + out)
     policy = train(args, PAPER)
     assert (tmp_path / "log" / "learning-curve.png").stat().st_size > 0
     loaded = DqnPolicy.load(tmp_path / "p.npz")
     loaded.check_fits(PAPER)
+    loaded.bind(PAPER)
     assert loaded.meta["steps"] == 12000 and loaded.meta["hyperparameters"]["double_q"]
-    obs = np.random.default_rng(0).random(FeatureEncoder.for_deployment(PAPER).size)
+    obs = np.random.default_rng(0).random(loaded.encoder.size).astype(np.float32)
     np.testing.assert_allclose(loaded.q_values(obs), policy.q_values(obs), rtol=1e-6)
 
     def score(make: type | object) -> float:
@@ -137,32 +141,74 @@ def test_static_and_random_baselines_route_by_model() -> None:
     assert {f.model for f in mixed} == set(PAPER.models)
 
 
-class _KeepsEpisodes(RoutingEnv):
-    """Keeps each finished episode's requests: the vectorised wrapper resets an environment
-    before a callback could look at it."""
-
-    def reset(self, **kwargs):  # type: ignore[no-untyped-def, override]
-        if self.sim is not None:
-            self.episodes.append(list(self.finished))
-        return super().reset(**kwargs)
-
-
 def test_late_credit_lands_on_the_transition_that_routed_each_request() -> None:
-    env = _KeepsEpisodes(PAPER, episode_requests=100, credit="request")
-    env.episodes = []
-    model = DoubleDQN("MlpPolicy", env, buffer_size=250, learning_starts=10_000, seed=0)
-    model.learn(total_timesteps=600, callback=LateCredit(env))
+    args = build_parser().parse_args(["--lengths", "seed", "--episode-requests", "100"])
+    env = make_env(PAPER, args)
+    episodes: list[list[Finished]] = []
+    reset = env.reset
+
+    def keep(**kwargs):  # type: ignore[no-untyped-def]
+        # The trainer resets the environment as an episode ends: keep what it finished.
+        if env.sim is not None:
+            episodes.append(list(env.finished))
+        return reset(**kwargs)
+
+    env.reset = keep  # type: ignore[method-assign]
+    trainer = Trainer(env, replace(Hyperparameters(), buffer_size=250, learning_starts=10_000),
+                      seed=0, total=600)  # fmt: skip
+    trainer.run(600)
     # Episode e's request "r{i}" was routed at step 100 e + i; step k sits at k mod 250.
     expected = {}
-    for e, finished in enumerate(env.episodes):
+    for e, finished in enumerate(episodes):
         for f in finished:
             k = 100 * e + int(f.request.request_id.removeprefix("r"))
             expected[k] = PAPER.reward(f.request.task, f.model, f.request.qos_class, f.slo_met)
     assert len(expected) == 600  # six whole episodes, every request credited
-    rewards = model.replay_buffer.rewards[:, 0]
     for k in range(350, 600):  # the buffer's 250 newest, after it wrapped around
-        assert rewards[k % 250] == pytest.approx(expected[k], abs=1e-6), k
+        assert trainer.buffer.reward[k % 250] == pytest.approx(expected[k], abs=1e-6), k
     assert sum(expected.values()) > 0
+    assert [step for step, _ in trainer.curve] == [100, 200, 300, 400, 500, 600]
+
+
+def test_a_masked_action_is_never_chosen_and_a_request_none_may_take_is_shed() -> None:
+    """Admission control rules out every replica of OPT-6.7B: however much the network prefers
+    it, the policy sends the request elsewhere, in training and routing alike; where it rules out
+    every replica, the request is shed at the door and never reaches the policy."""
+    deployment = PAPER.with_admission("deadline")
+    policy = DqnPolicy.load(ROOT / "router/policies/paper-4gpu.npz")
+    layers = [(w.copy(), b.copy()) for w, b in policy.layers]
+    layers[-1][1][2] += 1e6  # OPT-6.7B's action, whatever the rest says
+    masked = DqnPolicy(layers, policy.meta | {"masked": True})
+    busy = ClusterView(tuple(
+        ReplicaState(r.name, r.model, 0, r.model != "opt-6.7b") for r in deployment.replicas
+    ))  # fmt: skip
+    request = Request("r", 0.0, (Message("user", "?"),), 64, "free-tier", task="copa")
+    obs = masked.encoder.encode(busy, request, 4.0)
+    assert deployment.replicas[masked.choose(obs, request, busy)].model != "opt-6.7b"
+    agent = DoubleDqn(obs.size, 3, Hyperparameters(), seed=0)
+    mask = np.array([True, True, False])
+    assert all(agent.act(obs, mask, epsilon=1.0) != 2 for _ in range(200))
+    # The per-action layout's own masks: the models expected in time, else the least loaded.
+    features = ActionFeatures(deployment)
+    loaded = ClusterView(tuple(
+        ReplicaState(r.name, r.model, 40 if r.model != "opt-125m" else 3, True)
+        for r in deployment.replicas
+    ))  # fmt: skip
+    allowed = features.allowed(features.encode(loaded, request, 40.0))
+    assert allowed.tolist() == [True, False, False]
+    nowhere = ClusterView(tuple(r._replace(available=False) for r in busy.replicas))
+    with pytest.raises(ValueError, match="no replica is available"):
+        masked.choose(obs, request, nowhere)
+    env = RoutingEnv(deployment, action="model")
+    env.reset(seed=1, options={"workload": WorkloadSpec(arrivals=Poisson(500.0)), "seed": 1,
+                               "requests": 400})  # fmt: skip
+    while True:
+        _, _, _, truncated, _ = env.step(int(np.flatnonzero(env.action_mask())[0]))
+        if truncated:
+            break
+    env.drain()
+    shed = [f for f in env.finished if f.outcome == SHED]
+    assert shed and all(f.replica == -1 and f.model is None for f in shed)
 
 
 def test_the_shipped_policy_routes_live_requests(twin_server: Server) -> None:
@@ -176,6 +222,7 @@ def test_the_shipped_policy_routes_live_requests(twin_server: Server) -> None:
     assert embedded.policy.name == "dqn"
     policy = DqnPolicy.load(embedded.policy.path or "")
     policy.check_fits(embedded)
+    policy.bind(embedded)
     encoder = policy.encoder  # the gateway encodes with the layout the policy was trained on
     idle = ClusterView(tuple(ReplicaState(r.name, r.model, 0, True) for r in embedded.replicas))
     for task in embedded.tasks:

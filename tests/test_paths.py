@@ -192,17 +192,16 @@ def test_a_network_blind_policy_routes_a_deployment_with_paths_on_its_own_layout
 def test_a_network_aware_policy_starts_from_the_blind_one() -> None:
     """`router.train --init-from`: the inputs the blind network lacks start at zero weight, so
     the new network routes as the blind one does, whatever the path."""
-    from stable_baselines3 import DQN
-    from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
-
-    from router.train import export, start_from
+    from router.dqn import Hyperparameters
+    from router.train import Trainer, export, start_from
 
     # One that reads lengths, as the deployment's layout does: only the path is new to it.
     blind = DqnPolicy.load(Path(__file__).parent.parent / "router/policies/paper-4gpu-lengths.npz")
-    env = RoutingEnv(PAPER_MIXED)
-    model = DQN("MlpPolicy", env, policy_kwargs={"net_arch": [256, 256]}, device="cpu")
-    start_from(model, blind, PAPER_MIXED, only_new=True)
-    aware = export(model, PAPER_MIXED, env, {})
+    env = RoutingEnv(PAPER_MIXED, credit="request")
+    hyper = Hyperparameters(learning_starts=64, train_freq=1)
+    trainer = Trainer(env, hyper, seed=0, total=300)
+    start_from(trainer.agent, blind, env, only_new=True)
+    aware = export(trainer.agent, env, {})
     assert aware.encoder.size == FeatureEncoder.for_deployment(PAPER_MIXED).size
     idle = ClusterView(tuple(ReplicaState(r.name, r.model, n, True) for n, r in
                              zip(range(12), PAPER.replicas, strict=True)))  # fmt: skip
@@ -214,9 +213,8 @@ def test_a_network_aware_policy_starts_from_the_blind_one() -> None:
             rtol=1e-5,
         )
     # --only-new-inputs: training moves the path's weights and nothing else.
-    model.learning_starts, model.train_freq = 64, TrainFreq(1, TrainFrequencyUnit.STEP)
-    model.learn(300)
-    trained = export(model, PAPER_MIXED, env, {})
+    trainer.run(300)
+    trained = export(trainer.agent, env, {})
     (w0, b0), *rest = trained.layers
     known = blind.encoder.size
     np.testing.assert_array_equal(w0[:, :known], blind.layers[0][0])
