@@ -234,6 +234,11 @@ def main() -> int:
         help="a DQN to time beside the first deployment's own (default: the one that reads "
         "request lengths); 'none': skip",
     )
+    parser.add_argument(
+        "--policy-file",
+        type=Path,
+        help="--before: the DQN timed against it (default: the first deployment's own)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args()
     if str(args.before) == "none":
@@ -261,16 +266,18 @@ def main() -> int:
         rows.append(_row("seed003-sim", "prompt count", measure_count(calls, args.seed), calls))
     first = args.deployments[0]
     if args.before is not None:
-        # The DQN that reads lengths against the one before it, on the same calls, in this run.
+        # The DQN against the one before it, on the same calls, in this run.
         now = load_deployment(config, first)
+        if args.policy_file is not None:
+            now = now.with_policy_file(args.policy_file)
         both = measure([now.with_policy_file(args.before), now], "dqn", args.calls, args.seed)
         rows.append(_row(first, "dqn (before)", both[:, 0], args.calls))
-        rows.append(_row(first, "dqn (lengths)", both[:, 1], args.calls))
+        rows.append(_row(first, "dqn (now)", both[:, 1], args.calls))
         rows.append(_row(first, "output predictor", measure_predictor(now, args.calls),
                          args.calls))  # fmt: skip
         p99 = np.percentile(both, 99, axis=0)
         verdict = "PASS" if p99[1] - p99[0] <= 10 else "MISS"
-        print(f"{verdict} the DQN that reads lengths: p99 {p99[1]:.1f} us against {p99[0]:.1f} us "
+        print(f"{verdict} the DQN {now.policy_file}: p99 {p99[1]:.1f} us against {p99[0]:.1f} us "
               f"before, in the same run: {p99[1] - p99[0]:+.1f} us (target: at most +10; the "
               "predictor's own time is in it)")  # fmt: skip
     blind, aware = load_deployment(config, first), load_deployment(config, first, args.paths)

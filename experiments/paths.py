@@ -75,6 +75,7 @@ class PathRule:
         ranked = sorted(deployment.models, key=lambda m: -statistics.fmean(
             row[m] for row in quality.values()))  # fmt: skip
         self.fallback = ranked[1]
+        blind.bind(deployment)  # a per-action layout is built on the deployment (a flat one is)
         self.encoder = blind.encoder
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:

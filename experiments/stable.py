@@ -72,7 +72,7 @@ def runs(args: argparse.Namespace, policies: Sequence[str]) -> list[tuple[str, f
 
 
 def run(args: argparse.Namespace, deployment: Deployment) -> list[dict[str, object]]:
-    only = quick_policies(deployment) if args.quick else None
+    only = args.policies or (quick_policies(deployment) if args.quick else None)
     previous = None if str(args.previous) == "none" else args.previous
     policies = baselines(deployment, args.results, args.policy_file, only, previous)
     rows: list[dict[str, object]] = []
@@ -162,6 +162,8 @@ def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]
     if ("dqn", rates[0]) not in reward:
         return ["no trained DQN policy: targets not checked"]
     statics = [f"{m}-only" for m in models]
+    if any((p, rates[0]) not in reward for p in statics):
+        return ["the one-model policies were not run: targets not checked"]
     big = statics[-1]  # placement order lists the models smallest first
     by = {(str(r["policy"]), as_float(r["rate"]), as_int(r["seed"])): as_float(r["mean_reward"])
           for r in rows}  # fmt: skip
@@ -349,6 +351,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"rates {','.join(map(str, QUICK_RATES))}, the DQN and the "
                         "one-model baselines, one seed")  # fmt: skip
+    parser.add_argument("--policies", type=lambda s: [p for p in s.split(",") if p],
+                        help="only these policies (default: every baseline)")  # fmt: skip
     live.add_live_arguments(parser)
     add_admission_argument(parser)
     add_previous_argument(parser)

@@ -13,8 +13,10 @@ A row, for model m, its least-loaded allowed replica i with b requests running, 
 replicas on i's device busy (each slows an iteration by the profile's interference), and n the
 request's expected output tokens (`router.features.OutputPredictor`):
 - the reward it would earn if it met its SLO: m's quality on its task (the table's mean for
-  an unknown task) times its class's weight; and that less the best of the other models'
-  (those with a replica the view allows), what m is worth to this request above them;
+  an unknown task) times its class's weight; and that less the best of the models worth less
+  (of those with a replica the view allows): what m's capacity adds for this request, which
+  the router weighs against the next request's (on the seed's workload at 8-32 req/s, the
+  router before it learned to keep OPT-6.7B for HellaSwag, where it adds the most);
 - b / 32, the mean load of m's allowed replicas / 32, and k over the device's other replicas;
 - the first token's expected wait over the class's first-token deadline: the step in progress
   at batch b, one at b + 1 and the prompt's prefill, slowed by the busy neighbours (admission
@@ -74,12 +76,17 @@ class ActionFeatures:
         deployment: Deployment,
         paths: bool | None = None,
         classes: Sequence[str] | None = None,
+        in_time: float = IN_TIME,
+        loads: bool = False,
     ) -> None:
         """`paths`: add the client's path (default: where the deployment's clients come over a
         path mix); `classes`: the QoS classes the one-hot names (default: the deployment's; a
         policy gives those it was trained on, and a class added later reads as none of
-        them)."""
+        them); `in_time`: the ratio at most which a model counts as in time."""
         profile = deployment.profile
+        self.in_time = in_time
+        self.loads = loads
+        """Whether every row also reads every replica's load and the task (the flat layout's)."""
         if profile is None:
             raise ValueError(f"deployment {deployment.name!r} names no latency profile")
         self.models = list(deployment.models)
@@ -118,8 +125,10 @@ class ActionFeatures:
         self._action_of = [self.models.index(m) for m in models]
         self._one_hot = [[1.0 if b == a else 0.0 for b in range(len(self.models))]
                          for a in range(len(self.models))]  # fmt: skip
+        self._absent = [0.0] * (ALLOWED + 1)
         self.shared_at = ALLOWED + 1 + len(self.models)
-        self.row = self.shared_at + 4 + len(self.classes) + (2 if self.paths else 0)
+        extra = len(deployment.replicas) + len(self.tasks) if loads else 0
+        self.row = self.shared_at + 4 + len(self.classes) + extra + (2 if self.paths else 0)
         """Features in each row."""
         self.size = self.row * len(self.models)
 
@@ -170,20 +179,27 @@ class ActionFeatures:
         shared = [rate / RATE_SCALE, min(TOKEN_CAP, prompt / TOKEN_SCALE),
                   min(TOKEN_CAP, most / TOKEN_SCALE), min(TOKEN_CAP, n / TOKEN_SCALE)]  # fmt: skip
         shared += [1.0 if c == cls else 0.0 for c in self.classes]
+        if self.loads:
+            shared += [r.running / BATCH_SCALE for r in replicas]
+            shared += [1.0 if task == request.task else 0.0 for task in self.tasks]
         if self.paths:
             path = request.path
             rtt, loss = (path.rtt_s / RTT_SCALE_S, path.loss / LOSS_SCALE) if path else (0.0, 0.0)
             shared += [min(PATH_CAP, rtt), min(PATH_CAP, loss)]
-        cap, tpot, interference = self._cap, self.tpot_s, self._interference
+        cap, tpot, interference, in_time = self._cap, self.tpot_s, self._interference, self.in_time
         offered = [values[a] for a, at in enumerate(least) if at is not None]
-        rows, in_time = [], False
+        out: list[float] = []
+        rows_in_time = False
         for a, at in enumerate(least):
             if at is None:
-                row = [0.0] * (ALLOWED + 1)
+                out += self._absent
             else:
-                others = list(offered)
-                others.remove(values[a])
-                gain = values[a] - max(others) if others else 0.0
+                value = values[a]
+                cheaper = -math.inf
+                for v in offered:
+                    if cheaper < v < value:
+                        cheaper = v
+                gain = value - cheaper if cheaper > -math.inf else 0.0
                 b = replicas[at].running
                 neighbours = self._neighbours[at]
                 busy = 0
@@ -197,16 +213,20 @@ class ActionFeatures:
                 first += prompt * self._prefill[at] * slow
                 first_ratio = (first + first_net) / deadline
                 answer = (first + (n - 1) * step + answer_net) / (n * tpot)
-                ok = first_ratio <= IN_TIME and answer <= IN_TIME
-                in_time = in_time or ok
-                row = [values[a], gain, b / BATCH_SCALE, load[a] / count[a] / BATCH_SCALE,
-                       busy / max(1, len(neighbours)), min(RATIO_CAP, first_ratio),
-                       min(RATIO_CAP, step / tpot), min(RATIO_CAP, answer),
-                       1.0 if ok else 0.0]  # fmt: skip
-            rows.append(row + self._one_hot[a] + shared)
-        if not in_time and shortest is not None:
-            rows[action_of[shortest]][ALLOWED] = 1.0
-        return np.array(rows, dtype=np.float32).reshape(-1)
+                ok = first_ratio <= in_time and answer <= in_time
+                rows_in_time = rows_in_time or ok
+                step_ratio = step / tpot
+                out += (value, gain, b / BATCH_SCALE, load[a] / count[a] / BATCH_SCALE,
+                        busy / len(neighbours) if neighbours else 0.0,
+                        first_ratio if first_ratio < RATIO_CAP else RATIO_CAP,
+                        step_ratio if step_ratio < RATIO_CAP else RATIO_CAP,
+                        answer if answer < RATIO_CAP else RATIO_CAP,
+                        1.0 if ok else 0.0)  # fmt: skip
+            out += self._one_hot[a]
+            out += shared
+        if not rows_in_time and shortest is not None:
+            out[action_of[shortest] * self.row + ALLOWED] = 1.0
+        return np.array(out, dtype=np.float32)
 
     def budget(self, request: Request, elapsed_s: float = 0.0) -> Budget | None:
         """The request's remaining budget over its path (None: the layout reads no paths)."""
@@ -223,4 +243,5 @@ class ActionFeatures:
 
     def describe(self) -> dict[str, object]:
         """What a policy file records of the layout, to rebuild it on a deployment."""
-        return {"layout": "per-action", "row": self.row, "paths": self.paths}
+        return {"layout": "per-action", "row": self.row, "paths": self.paths,
+                "in_time": self.in_time, "loads": self.loads}  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
-from router.action_features import ActionFeatures
+from router.action_features import IN_TIME, ActionFeatures
 from router.features import Encoder, FeatureEncoder
 from router.prefix import ModelThenReplica, PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
@@ -160,7 +160,7 @@ def q_values(
     x = obs if actions is None else obs.reshape(actions, -1)
     last = len(layers) - 1
     for i, (w, b) in enumerate(layers):
-        x = x @ w
+        x = np.dot(x, w)  # a little cheaper than @ on arrays this small
         x += b
         if i < last:
             np.maximum(x, 0.0, out=x)
@@ -213,7 +213,11 @@ class DqnPolicy:
         policy recorded them); a flat one needs nothing."""
         if self.per_action:
             self.encoder = ActionFeatures(
-                deployment, paths=bool(self.meta.get("paths")), classes=self.meta["qos_classes"]
+                deployment,
+                paths=bool(self.meta.get("paths")),
+                classes=self.meta["qos_classes"],
+                in_time=self.meta.get("in_time", IN_TIME),
+                loads=bool(self.meta.get("loads")),
             )
 
     def q_values(self, obs: np.ndarray) -> np.ndarray:
@@ -310,6 +314,39 @@ class DqnPolicy:
             f"{deployment.name!r} has ({deployment.quality_source.rstrip('.')}); they differ on "
             f"{', '.join(differ)}. Retrain it with python -m router.train"
         )
+
+
+def ensemble(policies: Sequence[DqnPolicy], meta: dict[str, Any]) -> DqnPolicy:
+    """One network whose Q-values are the mean of `policies`' (networks of one layout and
+    depth): their hidden layers side by side, each layer's weights block-diagonal, the last
+    layer averaging them. A matrix product of a few rows costs about the same at 64 units as
+    at 192 here, so the ensemble routes nearly as fast as one of them."""
+    first = policies[0]
+    depth = len(first.layers)
+    if any(len(p.layers) != depth or p.meta.get("layout") != first.meta.get("layout")
+           for p in policies):  # fmt: skip
+        raise ValueError("an ensemble needs networks of one layout and depth")
+    k = len(policies)
+    layers = []
+    for i in range(depth):
+        ws = [p.layers[i][0] for p in policies]
+        bs = [p.layers[i][1] for p in policies]
+        if i == 0:
+            w = np.vstack(ws)
+        else:
+            rows = sum(x.shape[0] for x in ws) if i < depth - 1 else ws[0].shape[0]
+            w = np.zeros((rows, sum(x.shape[1] for x in ws)), np.float32)
+            r = c = 0
+            for x in ws:
+                if i < depth - 1:
+                    w[r : r + x.shape[0], c : c + x.shape[1]] = x
+                    r += x.shape[0]
+                else:
+                    w[:, c : c + x.shape[1]] = x / k
+                c += x.shape[1]
+        b = np.concatenate(bs) if i < depth - 1 else np.mean(bs, axis=0)
+        layers.append((w, b))
+    return DqnPolicy(layers, first.meta | meta)
 
 
 def encoder_for(policy: Policy, deployment: Deployment) -> Encoder:
