@@ -23,21 +23,30 @@ from router.policies import (
 )
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
-PREVIOUS = DEFAULT_POLICY_DIR / "previous" / "paper-4gpu.npz"
-"""The DQN the shipped paper-4gpu policy replaced: the seed's figures must not fall below it."""
 MARGIN = 0.005
 """How far below the best of the others the DQN may fall, on the seed's figures."""
 
 
 def add_previous_argument(parser: argparse.ArgumentParser) -> None:
-    """--previous: the DQN the deployment's replaced, compared with (`dqn-previous`)."""
+    """--previous: the DQN the one measured would replace, compared with (`dqn-previous`)."""
     parser.add_argument(
         "--previous",
-        type=Path,
-        default=PREVIOUS,
-        help="the DQN the deployment's replaced, run beside it as dqn-previous (default: "
-        "router/policies/previous/paper-4gpu.npz, where it exists); 'none': no other",
+        help="the DQN the one measured would replace, run beside it as dqn-previous (default: "
+        "the deployment's own, where --policy-file names another); 'none': no other",
     )
+
+
+def previous_dqn(
+    given: str | None, policy_file: Path | None, deployment: Deployment
+) -> Path | None:
+    """The DQN `--previous` names: by default the deployment's own, where the one measured is
+    another (a candidate must not score below the default it would replace)."""
+    if given is not None:
+        return None if given == "none" else Path(given)
+    own = deployment.policy_file
+    if policy_file is None or own is None or Path(policy_file).resolve() == Path(own).resolve():
+        return None
+    return Path(own)
 
 
 def tuned_thresholds(deployment: Deployment, results: Path) -> dict[str, int]:

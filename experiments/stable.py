@@ -28,7 +28,13 @@ from tqdm import tqdm
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
 from experiments.output import as_float, as_int, write_csv
-from experiments.policies import MARGIN, add_admission_argument, add_previous_argument, baselines
+from experiments.policies import (
+    MARGIN,
+    add_admission_argument,
+    add_previous_argument,
+    baselines,
+    previous_dqn,
+)
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
@@ -73,7 +79,7 @@ def runs(args: argparse.Namespace, policies: Sequence[str]) -> list[tuple[str, f
 
 def run(args: argparse.Namespace, deployment: Deployment) -> list[dict[str, object]]:
     only = args.policies or (quick_policies(deployment) if args.quick else None)
-    previous = None if str(args.previous) == "none" else args.previous
+    previous = previous_dqn(args.previous, args.policy_file, deployment)
     policies = baselines(deployment, args.results, args.policy_file, only, previous)
     rows: list[dict[str, object]] = []
     for name, rate, seed in tqdm(runs(args, list(policies)), unit="run", desc="simulated"):

@@ -26,7 +26,12 @@ from tqdm import tqdm
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
 from experiments import live
 from experiments.output import as_float, as_int, write_csv
-from experiments.policies import add_admission_argument, add_previous_argument, baselines
+from experiments.policies import (
+    add_admission_argument,
+    add_previous_argument,
+    baselines,
+    previous_dqn,
+)
 from experiments.stable import interval
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
@@ -130,7 +135,7 @@ def main() -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     only = ["dqn", f"{deployment.models[-1]}{live.STATIC_SUFFIX}"] if args.quick else None
-    previous = None if str(args.previous) == "none" else args.previous
+    previous = previous_dqn(args.previous, args.policy_file, deployment)
     policies = baselines(deployment, args.results, args.policy_file, only, previous)
     arrivals = (
         SwitchingRate(levels=args.levels, mean_duration_s=args.mean_level_s)
