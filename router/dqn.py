@@ -37,19 +37,6 @@ class Hyperparameters:
     exploration_initial: float = 1.0
     exploration_final: float = 0.02
     max_grad_norm: float = 10.0
-    horizon_s: float | None = None
-    """Discount by time instead of by step: a step's discount is exp(-dt / horizon_s), dt the
-    time to the next request. What a request costs the ones after it is what arrives while it
-    holds its replica: at 32 req/s a step's discount of 0.95 weighs the request that comes 3 s
-    later (its slot's worth) by 0.6%, at 1 req/s the one 3 s later by 86%."""
-    n_step: int = 1
-    """Steps of rewards before the bootstrapped value: a request's effect on the next few
-    requests reaches its value directly, not through an estimate."""
-    centred: bool = False
-    """Learn from rewards less their running mean per request (Naik et al., "Reward
-    Centering", 2024): every request, routed or shed, costs the mean, so that the values
-    differ by what a decision changes, not by the ~100 that discounting sums the mean up to.
-    Off by default: on the validation grid it trained worse (docs/router.md, "Training")."""
 
     def epsilon(self, step: int, total: int) -> float:
         """Exploration at `step` of `total`: from initial to final over the first fraction."""
@@ -103,10 +90,6 @@ class ReplayBuffer:
     reward: np.ndarray = field(init=False)
     done: np.ndarray = field(init=False)
     next_mask: np.ndarray = field(init=False)
-    last: np.ndarray = field(init=False)
-    """Whether a transition is its episode's last (where n-step returns stop)."""
-    discount: np.ndarray = field(init=False)
-    """Each transition's discount of the next state's value."""
 
     def __post_init__(self) -> None:
         self.obs = np.zeros((self.size, self.obs_size), np.float32)
@@ -115,8 +98,6 @@ class ReplayBuffer:
         self.reward = np.zeros(self.size, np.float32)
         self.done = np.zeros(self.size, np.float32)
         self.next_mask = np.ones((self.size, self.actions), bool)
-        self.last = np.zeros(self.size, bool)
-        self.discount = np.ones(self.size, np.float32)
 
     def add(
         self,
@@ -126,15 +107,12 @@ class ReplayBuffer:
         next_obs: np.ndarray,
         done: bool,
         next_mask: np.ndarray,
-        last: bool = False,
-        discount: float = 1.0,
     ) -> int:
         """Store a transition; its slot, for rewards that come later (`credit`)."""
         slot = self.pos
-        self.discount[slot] = discount
         self.obs[slot], self.next_obs[slot] = obs, next_obs
         self.action[slot], self.reward[slot], self.done[slot] = action, reward, done
-        self.next_mask[slot], self.last[slot] = next_mask, last or done
+        self.next_mask[slot] = next_mask
         self.pos = (slot + 1) % self.size
         self.full = self.full or self.pos == 0
         return slot
@@ -145,25 +123,10 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return self.size if self.full else self.pos
 
-    def sample(self, n: int, rng: np.random.Generator, ahead: int = 1) -> np.ndarray:
-        """`n` slots, each with `ahead` - 1 transitions stored after it."""
-        stored = len(self) - (ahead - 1)
-        return (self.pos - 1 - (ahead - 1) - rng.integers(0, stored, size=n)) % self.size
-
-    def returns(self, idx: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For each slot: the discounted rewards of up to `steps` transitions from it, stopping
-        at its episode's last; the slot whose next state bootstraps; and the discount left."""
-        total = np.zeros(len(idx), np.float32)
-        discount = np.ones(len(idx), np.float32)
-        alive = np.ones(len(idx), bool)
-        end = idx.copy()
-        for j in range(steps):
-            k = (idx + j) % self.size
-            total += np.where(alive, discount * self.reward[k], 0.0)
-            end = np.where(alive, k, end)
-            discount = np.where(alive, discount * self.discount[k], discount)
-            alive &= ~self.last[k]
-        return total, end, discount
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """`n` slots, uniformly, counted back from the newest (as the shipped policies were
+        trained: the same draws give the same slots, so their runs reproduce)."""
+        return (self.pos - 1 - rng.integers(0, len(self), size=n)) % self.size
 
 
 class DoubleDqn:
@@ -209,25 +172,20 @@ class DoubleDqn:
     def update(self, buffer: ReplayBuffer) -> float:
         """One gradient step on a sampled batch; the loss."""
         hyper = self.hyper
-        idx = buffer.sample(hyper.batch_size, self.rng, hyper.n_step)
-        if hyper.n_step > 1:
-            rewards, end, discount = buffer.returns(idx, hyper.n_step)
-        else:
-            rewards, end, discount = buffer.reward[idx], idx, buffer.discount[idx]
+        idx = buffer.sample(hyper.batch_size, self.rng)
         obs = th.from_numpy(buffer.obs[idx])
-        next_obs = th.from_numpy(buffer.next_obs[end])
+        next_obs = th.from_numpy(buffer.next_obs[idx])
         action = th.from_numpy(buffer.action[idx]).unsqueeze(1)
-        reward = th.from_numpy(rewards).unsqueeze(1)
-        done = th.from_numpy(buffer.done[end]).unsqueeze(1)
-        gamma = th.from_numpy(discount).unsqueeze(1)
-        mask = th.from_numpy(buffer.next_mask[end])
+        reward = th.from_numpy(buffer.reward[idx]).unsqueeze(1)
+        done = th.from_numpy(buffer.done[idx]).unsqueeze(1)
+        mask = th.from_numpy(buffer.next_mask[idx])
         with th.no_grad():
             # Double Q: the online network picks the next action among those allowed, the
             # target network values it. A state that allows none (it cannot occur in a route,
             # which sheds such a request first) takes every action as allowed.
             online = self.q(next_obs).masked_fill(~(mask | ~mask.any(1, keepdim=True)), -np.inf)
             best = online.argmax(dim=1, keepdim=True)
-            target = reward + (1 - done) * gamma * self.target(next_obs).gather(1, best)
+            target = reward + (1 - done) * hyper.gamma * self.target(next_obs).gather(1, best)
         current = self.q(obs).gather(1, action)
         loss = F.smooth_l1_loss(current, target)
         self.optimizer.zero_grad(set_to_none=True)

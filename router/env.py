@@ -18,8 +18,7 @@ known only when its last token is out, many steps after it was routed. Two ways 
   transitions (`router.train.LateCredit`), which sit in a replay buffer of 200,000 for far longer
   than any request lives. At the end of an episode the requests in flight are run out and
   credited, so nothing is lost. The load an action puts on later requests still reaches it through
-  the discounted value of the next state. `info["shed"]` counts the requests shed at the door
-  on the way to the next step (each of them earned 0, and is nobody's step).
+  the discounted value of the next state.
 
 Admission control runs before the policy, as in the gateway: a request that the deployment's rule
 (`router.admission`) sheds is never a step. It ends at once with outcome "shed" and reward 0, in
@@ -278,10 +277,9 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
                 reward(f.request.task, f.model, f.request.qos_class, f.slo_met) for f in done
             )
             return float(total), False, truncated, {}
-        now, late, shed = 0.0, [], 0
+        now, late = 0.0, []
         for f in done:
             if f.outcome == SHED:  # never routed: no step to credit
-                shed += 1
                 continue
             value = reward(f.request.task, f.model, f.request.qos_class, f.slo_met)
             at = self._routed_at.pop(f.request.request_id)
@@ -289,4 +287,4 @@ class RoutingEnv(gym.Env[np.ndarray, np.int64]):
                 now += value
             else:
                 late.append((at, value))
-        return now, False, truncated, {"late_credit": late, "shed": shed}
+        return now, False, truncated, {"late_credit": late}

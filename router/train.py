@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shlex
 import sys
@@ -115,9 +114,6 @@ class Trainer:
         self._episode = 0.0
         self._slots: dict[int, int] = {}
         self._obs: np.ndarray | None = None
-        self.mean = 0.0
-        """The running mean reward per request that centred rewards are less of."""
-        self._gap = 0.0
 
     def run(self, until: int, tick: Callable[[], object] = lambda: None) -> None:
         """Take steps until `until`: act, store the transition, credit late rewards to the
@@ -129,22 +125,9 @@ class Trainer:
         while self.step < until:
             action = agent.act(obs, mask, hyper.epsilon(self.step, self.total))
             routed = env.steps
-            assert env.request is not None
-            arrived = env.request.arrival
             next_obs, reward, terminated, truncated, info = env.step(action)
-            if hyper.horizon_s is None:
-                discount = hyper.gamma
-            else:  # by the time to the next request (the last of an episode: the one before)
-                if not truncated:
-                    assert env.request is not None
-                    self._gap = env.request.arrival - arrived
-                discount = math.exp(-self._gap / hyper.horizon_s)
             next_mask = env.action_mask() if not truncated else np.ones_like(mask)
-            # Centred: this request, and any shed on the way to the next, each cost the mean.
-            stored = reward - self.mean * (1 + info.get("shed", 0)) if hyper.centred else reward
-            self._slots[routed] = buffer.add(
-                obs, action, stored, next_obs, terminated, next_mask, truncated, discount
-            )
+            self._slots[routed] = buffer.add(obs, action, reward, next_obs, terminated, next_mask)
             self._episode += reward
             for at, late in info.get("late_credit", ()):
                 buffer.credit(self._slots.pop(at), late)
@@ -154,10 +137,7 @@ class Trainer:
                 agent.update(buffer)
             if truncated:  # the episode's requests have all ended and been credited
                 # Per request that arrived: those shed at the door earned 0 and took no step.
-                per_request = self._episode / env.episode_requests
-                self.curve.append((self.step, per_request))
-                weight = 1.0 if len(self.curve) == 1 else MEAN_WEIGHT
-                self.mean += weight * (per_request - self.mean)
+                self.curve.append((self.step, self._episode / env.episode_requests))
                 self._episode, self._slots = 0.0, {}
                 obs, _ = env.reset()
                 mask = env.action_mask()
@@ -411,12 +391,6 @@ def hyperparameters(args: argparse.Namespace) -> Hyperparameters:
         hyper = replace(hyper, net_arch=args.net_arch)
     if args.train_freq is not None:
         hyper = replace(hyper, train_freq=args.train_freq)
-    if args.centring:
-        hyper = replace(hyper, centred=True)
-    if args.n_step is not None:
-        hyper = replace(hyper, n_step=args.n_step)
-    if args.horizon_s is not None:
-        hyper = replace(hyper, horizon_s=args.horizon_s or None)
     if args.batch_size is not None:
         hyper = replace(hyper, batch_size=args.batch_size)
     return replace(hyper, learning_starts=args.learning_starts)
@@ -524,12 +498,10 @@ def _validation_simulators(
     return lambda: stale_simulators(deployment, args, seed=VALIDATION_STALE_SEED)
 
 
-MEAN_WEIGHT = 0.05
-"""Of each episode's mean reward per request in the running mean (about the last 20)."""
 VALIDATION_STALE_SEED = 20_261_128
 GUARD_MARGIN = 0.005
 STATE = "state.pt"
-BUFFER_FIELDS = ("obs", "next_obs", "action", "reward", "done", "next_mask", "last", "pos", "full")
+BUFFER_FIELDS = ("obs", "next_obs", "action", "reward", "done", "next_mask", "pos", "full")
 TRAINED_BY = "command.txt"
 
 
@@ -594,7 +566,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--action", choices=["model", "replica"], default="model",
                         help="the flat layout's actions (per-action: the models)")  # fmt: skip
     parser.add_argument("--gamma", type=float, help="discount (default: the layout's)")
-    parser.add_argument("--n-step", type=int, help="steps of rewards before the bootstrap")
     parser.add_argument(
         "--loads",
         action="store_true",
@@ -607,17 +578,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-action layout: the expected ratios at most which a model may be chosen",
     )
     parser.add_argument(
-        "--horizon-s", type=float, help="discount by time: exp(-dt / this) a step (0: --gamma)"
-    )
-    parser.add_argument("--centring", action="store_true",
-                        help="learn from the rewards less their running mean")  # fmt: skip
-    parser.add_argument(
         "--net-arch",
         type=lambda text: tuple(int(v) for v in text.split(",")),
         help="hidden layers, e.g. 64,64 (default: the layout's)",
     )
-    parser.add_argument("--train-freq", type=int, help="steps between updates (default 4)")
-    parser.add_argument("--batch-size", type=int, help="transitions an update (default 64)")
+    parser.add_argument(
+        "--train-freq", type=int, help="steps between updates (default: per layout)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, help="transitions an update (default: per layout)"
+    )
     parser.add_argument("--episode-requests", type=int, default=1000)
     parser.add_argument(
         "--learning-starts",
