@@ -3,10 +3,13 @@ simulator runs, and forks of an episode that go on exactly as the episode would.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from config import load_deployment
+from config import DEFAULT_PATH, load_deployment
+from experiments.lengths import Cell, hindsight_threshold
 from router.bound import slo_token_rate, upper_bound
 from router.env import RoutingEnv
 from router.evaluate import grid_workload, mean_reward, simulate
@@ -100,3 +103,20 @@ def test_a_fork_goes_on_exactly_as_the_episode_it_was_forked_from() -> None:
         return [(f.request.request_id, f.replica, f.outcome, f.last_token) for f in done]
 
     assert ends(env.finished[at:]) == ends(fork.finished)
+
+
+def test_the_hindsight_threshold_earns_at_least_the_rules_it_is_compared_with(
+    tmp_path: Path,
+) -> None:
+    """On the cell's own requests, the thresholds tuned in hindsight earn at least the ones tuned
+    on the training distributions and at least each one-model policy (which it holds, with 0
+    leaving a model out): else it would be no reference above them."""
+    cell = Cell("azure-code", 1.0, "none")  # OPT-1.3B alone is the best rule here
+    tuned = {"none": THRESHOLDS, "deadline": THRESHOLDS}
+    n = 150
+    _, rewards = hindsight_threshold(DEFAULT_PATH, "paper-4gpu", n, 1, tuned, cell, tmp_path)
+    deployment = cell.deployment(DEFAULT_PATH, "paper-4gpu")
+    spec = cell.spec(deployment)
+    rules = [_threshold()] + [Static(m) for m in deployment.models]
+    earned = [mean_reward(deployment, simulate(deployment, p, spec, 0, requests=n)) for p in rules]
+    assert rewards[0] >= max(earned) - 1e-9, (rewards, earned)
