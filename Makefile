@@ -45,6 +45,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/private_imports.py
 	$(VENV)/bin/mypy
 
 bench: setup

@@ -9,11 +9,11 @@ found cached (`RequestOutput.num_cached_tokens`); the simulator's `Batcher` with
 vLLM's own block count serves the same token ids in the same order.
 
 1. Hit rates: cached prompt tokens over all prompt tokens, both ways, and how many requests
-   found exactly as many tokens cached in both (issue 37: within 5 percentage points).
+   found exactly as many tokens cached in both (the target: within 5 percentage points).
 2. TTFT with a hit against without: for turns whose history is cached, each is timed warm
    (its previous turn just served) and cold (after `reset_prefix_cache`), three times each;
    the median warm/cold ratio against the simulator's, from the embedded profile's step and
-   prefill times and the tokens each would compute (issue 37: the same ratio within 20%).
+   prefill times and the tokens each would compute (the target: the same ratio within 20%).
 
     python -m benchmarks.cache_fidelity [--model tiny-m] [--kv-blocks 40] [--conversations 8]
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from config import ReplicaConfig, load_deployment
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from router.kv_cache import KvCache, block_hashes
 from router.sim import Batcher, Job
 from serving.embedded import ensure_built

@@ -40,13 +40,13 @@ import numpy as np
 from tqdm import tqdm
 
 from config import ConfigError, Deployment, load_deployment
-from experiments.live import requests_total
-from experiments.live import server as live_server
-from experiments.output import write_csv
+from experiments.harness.live import requests_total
+from experiments.harness.live import server as live_server
+from experiments.harness.output import write_csv
 from workloads.generate import requests
-from workloads.metrics import Outcome, format_summary, summarize
 from workloads.replay import Client, build_workload, client_health, replay
 from workloads.replay import parser as replay_parser
+from workloads.summary import Outcome, format_summary, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from config import DEFAULT_PATH, load_deployment
-from experiments.live import ROOT, VLLM_BENCH, requests_total, server
+from experiments.harness.live import ROOT, VLLM_BENCH, requests_total, server
 
 LOGLIKELIHOOD = {"prompt": "The cat sat on the mat", "max_tokens": 1, "echo": True, "logprobs": 1}
 """What lm-eval's local-completions sends to score a continuation."""

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from experiments.live import cpu_seconds, server
+from experiments.harness.live import cpu_seconds, server
 from serving.outcomes import CLIENTS_OWN, OK, SHED, RequestRecord
 from serving.recent import Decision, Recent
 

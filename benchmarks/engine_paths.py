@@ -1,5 +1,6 @@
 """`python -m benchmarks.engine_paths`: what a token costs on each way of reaching real vLLM
-engines (issue 36, item 2), on one vLLM CPU engine of the embedded deployment's tiny-s.
+engines, to choose how several front-end workers should reach them, on one vLLM CPU engine of
+the embedded deployment's tiny-s.
 
 - `in-process`: `python -m serving`, the engine (vLLM's AsyncLLM) in the front-end's process;
 - `engine host`: `python -m serving --separate-engines`, the engine in `serving.engine_host`,
@@ -34,7 +35,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from experiments.live import cpu_seconds
+from experiments.harness.live import cpu_seconds
 from serving.launch import ROOT, free_port, launch, serving_command, shipped_spec
 from transport.process_tree import tree
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.live import server
+from experiments.harness.live import server
 from serving.launch import free_port, launch
 from transport.process_tree import tree_cpu_seconds
 from transport.tls import ensure_certificate

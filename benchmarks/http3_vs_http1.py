@@ -2,7 +2,8 @@
 
 The server is `python -m serving --deployment paper-4gpu-sim` (twelve simulated replicas on the
 seed-calibrated profile), engines `--time-scale` times the profile's step time: 0.25 is a GPU four
-times faster than the seed's. Open-loop Poisson load from `workloads.replay` at each rate:
+times faster than those of Chuppala (2024). Open-loop Poisson load from `workloads.replay` at each
+rate:
 
 - over HTTP/1.1 (`--proto h1`, aiohttp's pool, as `vllm bench serve`);
 - over HTTP/3 with each of `--connections` QUIC connections (8 and 64 by default).
@@ -38,8 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.live import ROOT, LiveServer, cpu_seconds, server
-from workloads.metrics import Outcome, summarize
+from experiments.harness.live import ROOT, LiveServer, cpu_seconds, server
+from workloads.summary import Outcome, summarize
 
 DEPLOYMENT = "paper-4gpu-sim"
 CONNECT_S = 5.0

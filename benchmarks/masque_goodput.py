@@ -1,6 +1,6 @@
 """Bulk goodput through the MASQUE CONNECT-UDP proxy against the direct path, over loopback.
 
-Issue 19's target: one bulk tunnel through `transport.masque` should carry at least 50% of the
+The target: one bulk tunnel through `transport.masque` should carry at least 50% of the
 direct path's goodput. This measures it side by side, in one run:
 
 - `direct`: an inner QUIC connection from the client straight to the bulk server;

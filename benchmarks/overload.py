@@ -36,12 +36,12 @@ from pathlib import Path
 import numpy as np
 
 from config import DEFAULT_PATH, Deployment, load_deployment
-from experiments.live import LiveServer, metric, requests_total, server
+from experiments.harness.live import LiveServer, metric, requests_total, server
 from workloads.arrivals import Poisson
 from workloads.generate import TaskShape, WorkloadSpec, requests
-from workloads.metrics import Outcome, summarize
 from workloads.replay import Client, client_health, replay
 from workloads.request import Request
+from workloads.summary import Outcome, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 PREMIUM_KEY = "overload-bench-premium"

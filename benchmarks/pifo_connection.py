@@ -1,18 +1,18 @@
 """Stream-management overhead of PIFO against the sorted-list ABS, through a real connection.
 
-`scheduler_overhead.py` times the two schedulers alone. Here the same workload (seed 004 ch. 2:
-every stream a priority from 1 to 10, seeded random, and 10 KB) goes through a real aioquic
-connection pair: a client `ScheduledQuicConnection` opens all N streams at once, each tagged
-with `set_stream_spec` and written in full with end_stream, and sends them to a server over
-`netsim.simlink.SimulatedPath` in virtual time. The client's scheduler is `abs` or `pifo`;
-the server (untimed, `fcfs`) answers each finished request with an empty end_stream, as a
-response would, so that every stream closes on both sides and the client's connection removes
-it from its scheduler, as it does in service. A run ends when the server has received every
-byte and the client's scheduler is empty.
+`scheduler_overhead.py` times the two schedulers alone. Here the same workload (chapter 2 of
+Chuppala (2024): every stream a priority from 1 to 10, seeded random, and 10 KB) goes through a
+real aioquic connection pair: a client `ScheduledQuicConnection` opens all N streams at once, each
+tagged with `set_stream_spec` and written in full with end_stream, and sends them to a server over
+`netsim.simlink.SimulatedPath` in virtual time. The client's scheduler is `abs` or `pifo`; the
+server (untimed, `fcfs`) answers each finished request with an empty end_stream, as a response
+would, so that every stream closes on both sides and the client's connection removes it from its
+scheduler, as it does in service. A run ends when the server has received every byte and the
+client's scheduler is empty.
 
 Choices, and why:
 - link: 5 Mbit/s, 25 ms one way, no loss, 64 KB drop-tail queue (netsim.link's defaults, the
-  seed's rate). Time is virtual, so the rate does not make a run slower to wait for; the wall
+  thesis's rate). Time is virtual, so the rate does not make a run slower to wait for; the wall
   time goes on Python work per packet, and the packet count barely depends on the rate.
 - packets: 9,000-byte datagrams (a jumbo frame; `--datagram-bytes`), 2 per 10 KB stream,
   rather than aioquic's 1,200 (9 per stream, as scheduler_overhead.py counts). Every packet
@@ -58,7 +58,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 from tqdm import tqdm
 
-from benchmarks.scheduler_overhead import machine, timer_overhead_s
+from benchmarks.common import machine, timer_overhead_s
 from netsim.link import LinkConfig
 from netsim.simlink import SimulatedPath
 from transport.connection import ScheduledQuicConnection
@@ -67,7 +67,7 @@ from transport.tls import ensure_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 
-STREAM_BYTES = 10_000  # 10 KB per stream, as in the seed
+STREAM_BYTES = 10_000  # 10 KB per stream, as in the thesis
 POLICIES = ("pifo", "abs")
 OPS = ("add", "pop", "requeue", "remove", "update", "expired", "next_deadline", "contains")
 

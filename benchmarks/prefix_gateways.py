@@ -39,14 +39,14 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.upstream_gateways import (
+from benchmarks.common import (
     add_peer_arguments,
     install_peers,
     peer_command,
     remote_config,
     start_vllm,
 )
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from serving.launch import ROOT, free_port, launch, shipped_spec
 
 GATEWAYS = ("ours-precise", "ours-approx", "ours-hash", "ours-rr", "sglang-router", "vllm-router")

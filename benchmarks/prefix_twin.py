@@ -1,21 +1,22 @@
-"""`python -m benchmarks.prefix_twin`: seed 003's workload through the real server, on the live
-twin (`seed003-sim`: eight simulated L4 replicas of Llama 3.1 8B in real time), and whether
-every request is accounted for, in calm and in storms.
+"""`python -m benchmarks.prefix_twin`: the workload of KubeAI's benchmark through the real
+server, on the live twin (`kubeai-l4-sim`: eight simulated L4 replicas of Llama 3.1 8B in real
+time), and whether every request is accounted for, in calm and in storms.
 
-The server (`python -m serving --deployment seed003-sim --policy P --time-scale K`, HTTP/1.1,
-request log on) on CPU 0; the load (`python -m workloads.replay --seed003 --num-requests N
+The server (`python -m serving --deployment kubeai-l4-sim --policy P --time-scale K`, HTTP/1.1,
+request log on) on CPU 0; the load (`python -m workloads.replay --kubeai-benchmark --num-requests N
 --rate R --max-concurrency C --classes long`) on CPU 1. The engines run K times slower than
 the profile (at 1, eight replicas at concurrency 800 stream about 10,000 tokens a second, more
-than one core carries beside the client), and no class has a deadline (the seed's client had
-none): TTFT is reported in the profile's time, divided by K. Scenarios:
+than one core carries beside the client), and no class has a deadline (KubeAI's benchmark client
+had none): TTFT is reported in the profile's time, divided by K. Scenarios:
 - `calm`: each policy in turn;
 - `client-killed`: the client SIGKILLed `--kill-after` seconds in, then another 300 requests;
 - `engines-die`: two of the eight engines die 12 s in (`simulation.faults`), back 5 s later.
 
-With `--deployment paper-4gpu-sim --lengths NAME`, the same scenarios on seed 004's twin, the
-load a length distribution's requests (`workloads.replay --lengths`, every class alike, the
-classes' deadlines kept), and `--policies` DQN files side by side: how the router that reads
-lengths (issue 38) and the one before it hold in the storm.
+With `--deployment paper-4gpu-sim --lengths NAME`, the same scenarios on the twin of the deployment
+in Chuppala (2024), the load a length distribution's requests (`workloads.replay --lengths`, every
+class alike, the classes' deadlines kept), and `--policies` DQN files side by side: how the router
+that reads each request's lengths (its prompt tokens, max_tokens and expected output) and the one
+before it hold in the storm.
 
 For each run: the client's completed and failed requests, the server's `serving_requests_total`
 by outcome and its request log's lines, and what `serving_replica_in_flight` holds after: they
@@ -26,7 +27,7 @@ must agree, and in-flight must be back at 0.
     python -m benchmarks.prefix_twin --scenario client-killed --concurrency 300
     python -m benchmarks.prefix_twin --deployment paper-4gpu-sim --lengths conversations \
         --time-scale 1 --rate 64 --requests 1900 --scenario engines-die \
-        --policies router/policies/paper-4gpu-lengths.npz,router/policies/paper-4gpu.npz
+        --policies router/trained/paper-4gpu-lengths.npz,router/trained/paper-4gpu.npz
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from config import load_deployment
 from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
 from workloads.lengths import ALL as LENGTHS
 
-SEED003 = "seed003-sim"
+KUBEAI_TWIN = "kubeai-l4-sim"
 DYING = {
-    SEED003: ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"],
+    KUBEAI_TWIN: ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"],
     "paper-4gpu-sim": ["cuda:0/opt-6.7b", "cuda:1/opt-1.3b"],
 }
 """The two engines that die in `engines-die`, per deployment."""
@@ -59,10 +60,10 @@ KEY = "prefix-twin-premium-key"
 
 
 def config(folder: Path, deployment: str, faults: bool) -> Path:
-    """The shipped models.yaml, with no class deadline on seed 003's twin (its client had none),
-    and with `faults`, two dying engines."""
+    """The shipped models.yaml, with no class deadline on the twin of KubeAI's benchmark (its
+    client had none), and with `faults`, two dying engines."""
     spec = shipped_spec()
-    if deployment == SEED003:
+    if deployment == KUBEAI_TWIN:
         for qos_class in spec["qos_classes"].values():
             qos_class["deadline_s"] = 3600.0
     if faults:
@@ -97,7 +98,7 @@ def load(url: str, out: Path, args: argparse.Namespace, requests: int, kill_afte
         workload = ["--lengths", args.lengths, "--classes", classes, "--api-key", KEY,
                     "--deployment", args.deployment]  # fmt: skip
     else:
-        workload = ["--seed003", "--classes", "long"]
+        workload = ["--kubeai-benchmark", "--classes", "long"]
     command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
                *workload, "--num-requests", str(requests), "--rate", str(args.rate),
                "--max-concurrency", str(args.concurrency),
@@ -180,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--scenario", choices=("calm", "client-killed", "engines-die"),
                         default="calm")  # fmt: skip
-    parser.add_argument("--deployment", default=SEED003, choices=list(DYING))
+    parser.add_argument("--deployment", default=KUBEAI_TWIN, choices=list(DYING))
     parser.add_argument("--lengths", choices=list(LENGTHS),
                         help="the load: this length distribution's requests (workloads.lengths, "
-                        "every class of the deployment alike); default: seed 003's")  # fmt: skip
+                        "every class of the deployment alike); default: KubeAI's benchmark "
+                        "prompts")  # fmt: skip
     parser.add_argument("--policies", default="round-robin,prefix-precise",
                         help="policy names, or DQN files (.npz), comma-separated")  # fmt: skip
     parser.add_argument("--requests", type=int, default=2000)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.live import cpu_seconds
+from experiments.harness.live import cpu_seconds
 from serving.launch import free_port, launch
 
 ROOT = Path(__file__).resolve().parent.parent

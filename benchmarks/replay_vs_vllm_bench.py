@@ -2,8 +2,8 @@
 prompts and output lengths, the same endpoint, in alternating rounds.
 
 A check of our measurement against a client no one here wrote: at each rate, the median over
-rounds of each client's median TTFT, TPOT, ITL and E2EL should agree within 15% (the target of
-issue 12), over HTTP/1.1. Each client's round-to-round spread is printed beside it, because a
+rounds of each client's median TTFT, TPOT, ITL and E2EL should agree within 15% (the target),
+over HTTP/1.1. Each client's round-to-round spread is printed beside it, because a
 busy server varies from round to round whoever measures it. The workload is written once per
 round as a `vllm bench serve` custom dataset (JSONL of prompt and output_tokens); each client then
 draws its own Poisson arrival times at the same rate, so the two see statistically equal, not
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from experiments.live import VLLM_BENCH
+from experiments.harness.live import VLLM_BENCH
 from workloads.arrivals import Poisson
 from workloads.generate import TaskShape, WorkloadSpec, requests
 

@@ -7,14 +7,14 @@ counts, so each replica gets an idle stand-in that says it is healthy. Each call
 own with perf_counter_ns; the garbage collector is off while timing, as in timeit. Prints p50,
 p99 and max per policy, and writes results/route_decision.csv.
 
-Then the prefix-aware policies (`--prefix`, on by default) on seed 003's deployment
-(`seed003-sim`, eight replicas), with seed 003's prompts (832 tokens, 52 blocks each on
-average, counted and hashed before the timing, as the gateway does before it routes): least-load
-as the floor, bounded-load hashing, and the approximate and precise indexes, each warmed first
-(the approximate one by routing every distinct prompt once, the precise one by each prompt's
-blocks stored on a replica drawn at random). Apart from them, what counting a prompt's tokens
-and hashing its blocks costs the gateway before it routes (`prompt count`: seed 003's prompts,
-838 tokens on average, each counted afresh).
+Then the prefix-aware policies (`--prefix`, on by default) on the deployment of KubeAI's benchmark
+(`kubeai-l4-sim`, eight replicas), with its prompts (832 tokens, 52 blocks each on average, counted
+and hashed before the timing, as the gateway does before it routes): least-load as the floor,
+bounded-load hashing, and the approximate and precise indexes, each warmed first (the approximate
+one by routing every distinct prompt once, the precise one by each prompt's blocks stored on a
+replica drawn at random). Apart from them, what counting a prompt's tokens and hashing its blocks
+costs the gateway before it routes (`prompt count`: KubeAI's benchmark prompts, 838 tokens on
+average, each counted afresh).
 
 Then the DQN that reads the request's lengths against the one shipped before it (`--before`), on
 the first deployment: the same calls, each timed on both gateways in turn, the requests of every
@@ -24,7 +24,7 @@ decision (`output predictor`), taught 2,000 served requests first.
 Then the network-aware DQN against the network-blind one (`--paths`, default `mixed`, on the
 first deployment): the same calls, each timed on both gateways in turn (which goes first
 alternates), the network-aware one's requests carrying paths of the mix. It prints both p99s and
-their difference, which issue 17 holds to 10 us.
+their difference, whose target is at most 10 us.
 
     python -m benchmarks.route_decision [--deployments paper-4gpu embedded] [--calls 20000]
 """
@@ -42,17 +42,17 @@ from pathlib import Path
 import numpy as np
 
 from config import Deployment, load_deployment
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from experiments.prefix_aware import Scale, counter, seed_requests
 from router.features import OutputPredictor
 from router.paths import estimate_of
-from router.policies import make_policy
-from router.prefix import ModelThenReplica, PrefixAffinity
+from router.policies import ModelThenReplica, make_policy
+from router.prefix import PrefixAffinity
 from serving.gateway import AUTO, Gateway
 from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
 from workloads import Message, Request
-from workloads.conversations import conversations, seed003_prompts
+from workloads.conversations import conversations, kubeai_benchmark_prompts
 from workloads.lengths import SHAREGPT_16, TRAINING
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,12 +141,12 @@ def measure(deployments: list[Deployment], policy_name: str, calls: int, seed: i
 
 
 PROMPTS = Scale(conversations=40, prompts=200, requests=2000, runs=())
-"""Seed 003's recipe at a quarter of its distinct prompts: what the prefix rows route."""
+"""KubeAI's benchmark recipe at a quarter of its distinct prompts: what the prefix rows route."""
 
 
 @functools.cache
-def _seed_prompts(deployment_name: str, seed: int) -> list[Request]:
-    """Seed 003's prompts, counted and hashed for `deployment_name`, each with a task."""
+def _kubeai_prompts(deployment_name: str, seed: int) -> list[Request]:
+    """KubeAI's benchmark prompts, counted and hashed for `deployment_name`, each with a task."""
     deployment = load_deployment(ROOT / "models.yaml", deployment_name)
     requests = seed_requests(counter(deployment), PROMPTS, seed, uneven=False)
     tasks = deployment.tasks
@@ -154,12 +154,12 @@ def _seed_prompts(deployment_name: str, seed: int) -> list[Request]:
 
 
 def measure_prefix(
-    policy_name: str, calls: int, seed: int, deployment_name: str = "seed003-sim"
+    policy_name: str, calls: int, seed: int, deployment_name: str = "kubeai-l4-sim"
 ) -> np.ndarray:
     """Microseconds of each prefix-aware decision on `deployment_name` (module docstring)."""
     deployment = load_deployment(ROOT / "models.yaml", deployment_name)
     gateway, replicas = _gateway(deployment, policy_name)
-    requests = _seed_prompts(deployment_name, seed)
+    requests = _kubeai_prompts(deployment_name, seed)
     rng = np.random.default_rng(seed)
     policy = gateway.policy
     if isinstance(policy, ModelThenReplica):
@@ -188,16 +188,17 @@ def measure_prefix(
 
 def measure_count(calls: int, seed: int) -> np.ndarray:
     """Microseconds the gateway takes to count a prompt and hash its blocks before routing
-    (`Gateway._count`: a thread for prompts of over 1,024 characters), on seed 003's prompts."""
+    (`Gateway._count`: a thread for prompts of over 1,024 characters), on KubeAI's benchmark
+    prompts."""
     import asyncio
 
     from serving.engines.prompts import gateway_counter
 
-    deployment = load_deployment(ROOT / "models.yaml", "seed003-sim")
+    deployment = load_deployment(ROOT / "models.yaml", "kubeai-l4-sim")
     counter = gateway_counter(deployment)
     assert counter is not None
     convs = conversations(SHAREGPT_16, PROMPTS.conversations, seed)
-    prompts = seed003_prompts(convs, PROMPTS.prompts, PROMPTS.prompts)
+    prompts = kubeai_benchmark_prompts(convs, PROMPTS.prompts, PROMPTS.prompts)
     times = np.empty(calls)
 
     async def run() -> None:
@@ -223,14 +224,14 @@ def main() -> int:
         "--prefix",
         nargs="*",
         default=["least-load", "prefix-hash", "prefix-approx", "prefix-precise"],
-        help="prefix-aware policies to time on seed003-sim (none: skip)",
+        help="prefix-aware policies to time on kubeai-l4-sim (none: skip)",
     )
     parser.add_argument("--paths", default="mixed", help="the network-aware DQN's path mix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--before",
         type=Path,
-        default=ROOT / "router" / "policies" / "paper-4gpu-lengths.npz",
+        default=ROOT / "router" / "trained" / "paper-4gpu-lengths.npz",
         help="a DQN to time beside the first deployment's own (default: the one that reads "
         "request lengths); 'none': skip",
     )
@@ -255,7 +256,7 @@ def main() -> int:
                 continue
             rows.append(_row(dep, policy, us, args.calls))
     for policy in args.prefix:
-        rows.append(_row("seed003-sim", policy, measure_prefix(policy, args.calls, args.seed),
+        rows.append(_row("kubeai-l4-sim", policy, measure_prefix(policy, args.calls, args.seed),
                          args.calls))  # fmt: skip
     if args.prefix:
         # The DQN with and without prefix placement, on the same prompts, in this one run.
@@ -263,7 +264,7 @@ def main() -> int:
             us = measure_prefix(policy, args.calls, args.seed, "paper-4gpu-sim")
             rows.append(_row("paper-4gpu-sim", policy, us, args.calls))
         calls = min(args.calls, 4000)
-        rows.append(_row("seed003-sim", "prompt count", measure_count(calls, args.seed), calls))
+        rows.append(_row("kubeai-l4-sim", "prompt count", measure_count(calls, args.seed), calls))
     first = args.deployments[0]
     if args.before is not None:
         # The DQN against the one before it, on the same calls, in this run.

@@ -1,11 +1,11 @@
 """Stream-management overhead of the heap PIFO against the sorted-list ABS, as streams scale.
 
-Mirrors seed 004 ch. 2 ("PIFO Scalability Benchmarks"): every stream gets a priority from 1 to 10
-(seeded random) and carries 10 KB, sent in packets of 1200 bytes. All streams are opened at once
-(added in arrival order); then, per packet, the connection pops one stream, serves it one packet's
-worth, and requeues it, or removes it once its last byte is out. Both policies serve the streams
-in the same order (higher priority first, FCFS within a level), so they do the same operations
-and only the data structure differs:
+Mirrors chapter 2 of Chuppala (2024) ("PIFO Scalability Benchmarks"): every stream gets a priority
+from 1 to 10 (seeded random) and carries 10 KB, sent in packets of 1200 bytes. All streams are
+opened at once (added in arrival order); then, per packet, the connection pops one stream, serves
+it one packet's worth, and requeues it, or removes it once its last byte is out. Both policies
+serve the streams in the same order (higher priority first, FCFS within a level), so they do the
+same operations and only the data structure differs:
   abs   a list kept sorted with bisect.insort, popped with list.pop(0): both shift the list, O(n)
   pifo  a binary heap with lazy deletion: O(log n); a pop and the requeue of the same stream
         are one heapreplace, and none at all when its rank is unchanged
@@ -29,8 +29,6 @@ import argparse
 import csv
 import gc
 import math
-import os
-import platform
 import random
 import statistics
 import time
@@ -39,13 +37,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.common import machine, timer_overhead_s
 from transport.schedulers import StreamSpec, make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 
-STREAM_BYTES = 10_000  # 10 KB per stream, as in the seed
+STREAM_BYTES = 10_000  # 10 KB per stream, as in the thesis
 PACKET_BYTES = 1200
-LINK_BPS = 5e6  # the seed's 5 Mbps: only sets the virtual clock passed as `now`
+LINK_BPS = 5e6  # the thesis's 5 Mbps: only sets the virtual clock passed as `now`
 POLICIES = ("pifo", "abs")
 OPS = ("add", "pop", "requeue", "remove")
 
@@ -64,19 +63,6 @@ class Run:
     @property
     def ops(self) -> int:
         return sum(self.counts.values())
-
-
-def timer_overhead_s(samples: int = 200_000) -> float:
-    """What one timed interval costs with nothing inside it (median of batches)."""
-    pc = time.perf_counter
-    per_batch = []
-    for _ in range(20):
-        acc = 0.0
-        for _ in range(samples // 20):
-            t0 = pc()
-            acc += pc() - t0
-        per_batch.append(acc / (samples // 20))
-    return statistics.median(per_batch)
 
 
 def run_once(policy: str, priorities: list[int], packets_per_stream: int, overhead_s: float) -> Run:
@@ -125,19 +111,6 @@ def run_once(policy: str, priorities: list[int], packets_per_stream: int, overhe
     raw = {"add": add, "pop": pop, "requeue": requeue, "remove": remove}
     seconds = {k: max(0.0, raw[k] - counts[k] * overhead_s) for k in OPS}
     return Run(policy, n, seconds, counts)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()} ({platform.python_implementation()})"
-    )
 
 
 def main() -> None:

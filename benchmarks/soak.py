@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from experiments.live import LiveServer
+    from experiments.harness.live import LiveServer
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("transport/schedulers.py", "transport/connection.py")
@@ -125,11 +125,11 @@ def soak_streams(args: Namespace) -> dict:
 
 def soak_server(args: Namespace) -> dict:
     from config import DEFAULT_PATH, load_deployment
-    from experiments.live import requests_total, server
+    from experiments.harness.live import requests_total, server
     from workloads.arrivals import Poisson
     from workloads.generate import TaskShape, WorkloadSpec, requests
-    from workloads.metrics import summarize
     from workloads.replay import Client, replay
+    from workloads.summary import summarize
 
     deployment = load_deployment(DEFAULT_PATH, args.deployment)
     spec = WorkloadSpec(Poisson(args.rate), default_shape=TaskShape(None, (32, 128)))
@@ -163,7 +163,7 @@ def soak_server(args: Namespace) -> dict:
 
 def resources(live: LiveServer) -> dict[str, float]:
     """The front-end's RSS and open descriptors (its own /metrics), and its children's RSS."""
-    from experiments.live import metric
+    from experiments.harness.live import metric
 
     return {
         "frontend_rss_mib": round(metric(live.url, "process_resident_memory_bytes") / 2**20, 1),

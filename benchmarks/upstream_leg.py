@@ -1,5 +1,6 @@
 """`python -m benchmarks.upstream_leg`: what the upstream leg costs per token, as shipped and as a
-hand-written client could at best make it: the question behind issue 35's CPU target.
+hand-written client could at best make it: could it bring the server's CPU per request to the
+target of at most twice sglang-router's?
 
 One null upstream (`workloads.null_server`, first token at 20 ms, then one every 10 ms) on CPU 1;
 this process on CPU 0 keeps `--streams` chat streams of 64 tokens open against it and reads
@@ -40,10 +41,10 @@ from urllib.parse import urlsplit
 import httptools
 import msgspec
 
-from benchmarks.upstream_gateways import MODEL, start_upstreams
+from benchmarks.common import MODEL, start_upstreams
 from config import ReplicaConfig
 from serving.engines.base import Sampling, TokenDelta
-from serving.engines.remote import RemoteEngine, _decode_chunk
+from serving.engines.remote import RemoteEngine, decode_chunk
 from workloads import Message, Request
 
 TOKENS = 64
@@ -125,7 +126,7 @@ def _decoding(put: Sink) -> Sink:
         if data is _END:
             put(_END)
             return
-        chunk = _decode_chunk(data)
+        chunk = decode_chunk(data)
         if not chunk.choices or chunk.usage is None:
             return
         choice, usage = chunk.choices[0], chunk.usage

@@ -34,14 +34,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.upstream_gateways import (
-    ASKED,
-    add_peer_arguments,
-    install_peers,
-    report,
-    start_gateway,
-    start_upstreams,
-)
+from benchmarks.common import ASKED, add_peer_arguments, install_peers, report, start_upstreams
+from benchmarks.upstream_gateways import start_gateway
 from serving.launch import ROOT
 
 PEERED = ("ours", "sglang-router", "vllm-router")

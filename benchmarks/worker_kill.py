@@ -4,8 +4,8 @@ it costs.
 `python -m serving --deployment paper-4gpu-sim --workers 2` (the twin at its own speed, engines
 in the engine host) takes an open-loop Poisson load from `workloads.replay` (`--rate` req/s for
 `--duration` s, HTTP/1.1 by default, a connection per request so that requests spread over the
-workers), and `--kill-at` seconds in, worker 0 is SIGKILLed. Reported against issue 36's
-targets:
+workers), and `--kill-at` seconds in, worker 0 is SIGKILLed. Reported against the
+targets for several workers:
 - the requests that failed at the client, and on which worker the server had them: none on the
   other worker, each failure one the client saw;
 - the time from the kill until the supervisor's restarted worker runs (target: under 5 s);
@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from experiments.live import requests_total
+from experiments.harness.live import requests_total
 from serving.launch import ROOT, free_port, launch
 
 

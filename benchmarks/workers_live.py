@@ -7,7 +7,7 @@ deployment has it, the load generator over HTTP/3 (4 QUIC connections) as
 workload (same seed, same requests) through a fresh server with `--workers 1` and with
 `--workers 2`. Reported per rate: each worker count's mean reward with its 95% confidence
 interval over the seeds, and the paired difference (2 minus 1, seed by seed) with its own;
-issue 36 wants the difference within 0.01. Then, over `--slo-rates` with seed 0, the share of
+the target is a difference within 0.01. Then, over `--slo-rates` with seed 0, the share of
 requests that met their SLO, and the highest rate at 99% or more for each worker count.
 
 Writes results/workers_live/workers_live.csv (and each run's load-generator record) and prints
@@ -26,8 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, Deployment, load_deployment
-from experiments import live
-from experiments.output import write_csv
+from experiments.harness import live
+from experiments.harness.output import write_csv
 from experiments.stable import row
 from experiments.stale_view import mean_ci
 from workloads.replay import Outcome

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,8 @@ from config.schema import (
 
 S = TypeVar("S", bound=BaseModel)
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
 DEFAULT_SCRAPE_S = 0.1
 """How often a remote replica's /metrics is read, where its entry does not say: the Gateway API
@@ -45,6 +48,30 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 class ConfigError(ValueError):
     """models.yaml is unreadable or wrong; the message names the file and the field."""
+
+
+RENAMED_DEPLOYMENTS = {"seed003-sim": "kubeai-l4-sim"}
+"""Old deployment name -> its new name. For one release, asking for an old name that the file does
+not define gives the deployment now under the new name (named by it), and the first such use in
+a process logs a warning; then the old name goes (docs/deployments.md, "Renamed deployments")."""
+
+_warned_renamed: set[str] = set()
+
+
+def _current_name(spec: ModelsFile, name: str) -> str:
+    """`name`, or the name it was renamed to where the file defines only that one."""
+    new = RENAMED_DEPLOYMENTS.get(name)
+    if name in spec.deployments or new is None or new not in spec.deployments:
+        return name
+    if name not in _warned_renamed:
+        _warned_renamed.add(name)
+        log.warning(
+            "deployment %r is deprecated: it is now %r, and the old name will stop working in "
+            "the next release",
+            name,
+            new,
+        )
+    return new
 
 
 @dataclass(frozen=True)
@@ -240,11 +267,12 @@ def _describe(exc: ValidationError) -> str:
 def resolve(
     spec: ModelsFile, name: str | None = None, base_dir: str | Path = DEFAULT_PATH.parent
 ) -> Deployment:
-    """The deployment `name` (default: the file's default) as plain data.
+    """The deployment `name` (default: the file's default) as plain data. An old name in
+    `RENAMED_DEPLOYMENTS` that the file does not define gives the renamed deployment.
 
     Relative model paths resolve against `base_dir`, the directory that holds models.yaml.
     """
-    name = name or spec.default_deployment
+    name = _current_name(spec, name or spec.default_deployment)
     if name not in spec.deployments:
         raise ConfigError(f"unknown deployment {name!r} (known: {', '.join(spec.deployments)})")
     dep = spec.deployments[name]

@@ -1,7 +1,7 @@
 """A quality table measured by `python -m serving.quality`: each model's accuracy per task, with
 how it was measured. A deployment that names one (`quality_file:`) routes on it instead of the
-file-wide table, which for the OPT sizes is seed 004's Table 1. One model, for reading the file
-and for writing it."""
+file-wide table, which for the OPT sizes is Table 1 of Chuppala (2024). One model, for reading
+the file and for writing it."""
 
 from __future__ import annotations
 

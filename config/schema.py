@@ -247,8 +247,8 @@ class ApiKey(Strict):
 
 
 class Bursts(Strict):
-    """Bursty loss: the Gilbert-Elliott chain of `netsim.link.GilbertElliott` (seed 002 §4.1),
-    with its defaults, the seed's default case: about 15% loss in bursts of 200 ms."""
+    """Bursty loss: the Gilbert-Elliott chain of `netsim.link.GilbertElliott` (Chatterbox
+    §4.1), with its defaults, Chatterbox's default case: about 15% loss in bursts of 200 ms."""
 
     good_slots: Annotated[float, Field(ge=1)] = 10.0
     bad_slots: Annotated[float, Field(ge=1)] = 2.0

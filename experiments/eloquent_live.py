@@ -1,7 +1,7 @@
 """`sudo python -m experiments.eloquent_live`: Eloquent with the real embedded engines over the
-emulated link (seed 002 Figure 4, rebuilt live).
+emulated link (Chatterbox's Figure 4, rebuilt live).
 
-For each RTT, a fresh TUN link emulator (`netsim.netem`: 20 Mbit/s, seed 002's default
+For each RTT, a fresh TUN link emulator (`netsim.netem`: 20 Mbit/s, Chatterbox's default
 Gilbert-Elliott loss, about 15%, on both directions) with the embedded server
 (`python -m serving --deployment embedded`) in its server namespace and a client process in its
 client namespace. The client streams the same chat request with and without Eloquent, in turn
@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from netsim.link import GilbertElliott, LinkConfig
 from netsim.netem import Netem, NetemError, check_can_run
 from transport.client import Http3Client
 from transport.eloquent.sse import SseEvents, decode_text, split_text
-from workloads.metrics import late_share, stall_ratio
+from workloads.summary import late_share, stall_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_PORT, H3_PORT = 8000, 8443
@@ -144,7 +144,7 @@ def score(row: dict[str, Any], written: dict[int, float], rtt: float) -> dict[st
     scored = {"rtt_ms": int(rtt * 1000), "session": row["session"], "eloquent": row["eloquent"],
               "error": row["error"], "status": row.get("status"), "tokens": len(times)}  # fmt: skip
     if row["error"] is None and times and len(generated) == len(stamps):
-        # As in the simulation (seed 002 §4.1): the session runs from the first token's
+        # As in the simulation (Chatterbox's §4.1): the session runs from the first token's
         # generation to its last render, so that arriving sooner does not shrink it.
         end = max(times[-1], generated[-1])
         scored |= {

@@ -1,4 +1,4 @@
-"""`python -m experiments.eloquent_sim`: seed 002 Figures 5 and 6 on the real QUIC stack, in
+"""`python -m experiments.eloquent_sim`: Chatterbox's Figures 5 and 6 on the real QUIC stack, in
 virtual time.
 
 A real aioquic client and server, with HTTP/3 and datagrams on, talk through a simulated link
@@ -11,8 +11,8 @@ live ones byte for byte. The schemes differ in what is sent beside the stream:
 - `stream`: nothing; a lost packet is repaired by QUIC's retransmission.
 - `dup-k`: each event's text (token-sized, with the envelope until acknowledged) in k datagrams,
   each in its own packet; no repeats.
-- `el-events`: issue 6's Eloquent: whole events, at most 10 a datagram, re-sent after 200 ms
-  without a new event (Algorithm 1).
+- `el-events`: the first Eloquent sender built here: whole events, at most 10 a datagram, re-sent
+  after 200 ms without a new event (Algorithm 1).
 - `el-paper`: the same with token-sized positions: the paper's sender, T = 10.
 - `el-room`: no cap on the count; the payload's room alone limits the repeats.
 - `el-window`: room, and only tokens generated within 2·RTT + L are repeated.
@@ -23,13 +23,13 @@ live ones byte for byte. The schemes differ in what is sent beside the stream:
 - `eloquent`: room, window, tail and allowance together: what the server runs.
 The client renders the longest contiguous prefix from whichever path delivers first.
 
-Metrics (seed 002 §4): the stall ratio (time in inter-render gaps over 200 ms, over the session,
-from the first token's generation to the last render); the share of late tokens (rendered over
-400 ms after generation); the redundancy rate, two ways: in payload (datagram payload bytes, the
-bytes a scheme adds beside the stream, over the tokens' text bytes) and on the wire (every UDP
-byte sent toward the client, headers and the stream's JSON included, over the text bytes); and
-the median tokens a datagram carried. Loss patterns are given as mean durations (the seed's p
-and q are ambiguous):
+Metrics (Chatterbox's §4): the stall ratio (time in inter-render gaps over 200 ms, over the
+session, from the first token's generation to the last render); the share of late tokens (rendered
+over 400 ms after generation); the redundancy rate, two ways: in payload (datagram payload bytes,
+the bytes a scheme adds beside the stream, over the tokens' text bytes) and on the wire (every UDP
+byte sent toward the client, headers and the stream's JSON included, over the text bytes); and the
+median tokens a datagram carried. Loss patterns are given as mean durations (Chatterbox's p and q
+are ambiguous):
 
     default  good 1000 ms, lossy 200 ms at 90% loss, 100 ms slots: ~15% loss (p=0.9, q=0.5)
     frequent good  200 ms, lossy 200 ms at 90% loss: ~45% loss       (p=0.5, q=0.5)
@@ -60,11 +60,11 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from tqdm import tqdm
 
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from netsim.link import GilbertElliott, LinkConfig
 from netsim.simlink import SimulatedPath
-from serving.api import _Shape
 from serving.engines.base import TokenDelta
+from serving.render import Shape
 from transport.connection import adopt
 from transport.eloquent import (
     DATAGRAM_ALLOWANCE,
@@ -78,7 +78,7 @@ from transport.eloquent.driver import datagram_sender, withdraw
 from transport.eloquent.sse import split_text
 from transport.tls import ensure_certificate
 from workloads.examples import corpus
-from workloads.metrics import late_share, stall_ratio
+from workloads.summary import late_share, stall_ratio
 
 LOSS_PATTERNS = {
     "default": GilbertElliott(good_slots=10, bad_slots=2),
@@ -122,7 +122,7 @@ def server_events(texts: list[str]) -> list[bytes]:
                 yield TokenDelta(text, 1, 0, finish_reason="length" if last else None)
 
     async def collect() -> list[bytes]:
-        shape = _Shape(Generation(), chat=True)  # type: ignore[arg-type]
+        shape = Shape(Generation(), chat=True)  # type: ignore[arg-type]
         shape.created = 1_700_000_000  # a fixed time of the right length: the same bytes always
         return [event.encode() async for event in shape.sse(include_usage=False)]
 

@@ -52,7 +52,7 @@ from scipy import stats
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from experiments.output import as_float, as_int, write_csv
+from experiments.harness.output import as_float, as_int, write_csv
 from router.bound import upper_bound
 from router.evaluate import (
     GRID_RATES,
@@ -70,7 +70,7 @@ from workloads.lengths import ALL, HELD_OUT, TRAINING
 
 RATES = GRID_RATES
 ADMISSION_RULES: tuple[Literal["none", "deadline"], ...] = ("none", "deadline")
-POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
+POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "trained"
 COMPARE = (POLICY_DIR / "paper-4gpu-lengths.npz",)
 """The DQNs to compare with by default (each column named after its file)."""
 MARGIN = 0.005
@@ -460,9 +460,9 @@ def run_live(
     args: argparse.Namespace, deployment: Deployment, dqns: dict[str, Path]
 ) -> list[dict[str, object]]:
     """Each DQN of `dqns` on the same requests, on a fresh live server each (see the module)."""
-    from experiments import live
+    from experiments.harness import live
     from workloads.request import save_requests
-    from workloads.metrics import Outcome
+    from workloads.summary import Outcome
 
     folder = args.results / "live"
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Seed 004 ch. 2's MASQUE experiments, over the link emulator's chain topology.
+"""The MASQUE experiments of Chuppala (2024), chapter 2, over the link emulator's chain topology.
 
     client namespace --[access link]-- proxy namespace --[backhaul]-- target namespace
 
@@ -11,25 +11,25 @@ process is its own: client, proxy and target each run in their own namespace.
 
 1. tunnels: 100 tunnels at once, each one inner connection echoing 10 KB; the access link is
    5 Mbit/s, 1.5% loss, 50 ms. A tunnel completes if its echo is back within 8 s of the tunnel's
-   CONNECT. Outer fcfs against rr. Seed: FCFS 17%, RR 68%; everything done in about 24 s against
-   15 s.
+   CONNECT. Outer fcfs against rr. The thesis: FCFS 17%, RR 68%; everything done in about 24 s
+   against 15 s.
 2. nested: 10 tunnels with outer priorities 1 to 10 (10 most urgent), opened at once in a seeded
    random order, each 30 inner streams of 1 KB echoed; 5 Mbit/s, 0.5% loss, 50 ms. Outer rr,
    fcfs or abs; inner rr. The RTT of an inner stream runs from its request to its last echoed
-   byte. Seed: under ABS the groups were nearly ordered by priority, about 4,000 ms mean RTT.
+   byte. The thesis: under ABS the groups were nearly ordered by priority, about 4,000 ms mean RTT.
 3. pifo: `benchmarks.pifo_connection` (stream-management time of the heap against the sorted
    list over a real aioquic connection, 1,000 and 10,000 streams of 10 KB, priorities 1 to 10)
-   and `benchmarks.scheduler_overhead`. Seed: 9.87 ms against 35.2 ms at 1,000 streams.
+   and `benchmarks.scheduler_overhead`. The thesis: 9.87 ms against 35.2 ms at 1,000 streams.
 
-Choices the seed leaves open, and ours:
-- The loss and delay are on the client-proxy link (the seed's `tc` link), 25 ms each way; the
+Choices the thesis leaves open, and ours:
+- The loss and delay are on the client-proxy link (the thesis's `tc` link), 25 ms each way; the
   backhaul to the target is 1 Gbit/s and 0.5 ms each way, lossless.
-- Capsule mode (RFC 9297 DATAGRAM capsules on the tunnel's stream), as the seed's tunnels were
+- Capsule mode (RFC 9297 DATAGRAM capsules on the tunnel's stream), as the thesis's tunnels were
   streams: that is what the outer scheduler orders. HTTP/3 datagrams bypass any scheduler.
 - Priorities 1 to 10 on the client's streams as they are; towards the proxy as RFC 9218
   urgencies, which have eight levels: u = round((10 - p) * 7 / 9), so 8 and 7, and 4 and 3,
   share one at the proxy.
-- QUIC runs CUBIC everywhere (as `experiments.transport_micro`, for the seed's quic-go).
+- QUIC runs CUBIC everywhere (as `experiments.transport_micro`, for the thesis's quic-go).
 - An inner connection or request that has not finished 60 s after it started counts as failed.
 
     sudo .venv/bin/python -m experiments.masque                 # all three, 3 seeds: 15 min
@@ -59,7 +59,7 @@ from typing import TypedDict
 import numpy as np
 from tqdm import tqdm
 
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from experiments.transport_micro import CONGESTION_CONTROL, H3_PORT, mean_ci, serve
 from netsim.link import LinkConfig
 from netsim.netem import Netem, NetemError, check_can_run
@@ -102,7 +102,7 @@ SETUPS = {
 }  # fmt: skip
 DEADLINE_S = 8.0
 """The tunnel experiment's: from a tunnel's CONNECT to its echo's last byte."""
-SEED = {
+THESIS = {
     "tunnels": "completion by 8 s: FCFS 17%, RR 68% (4x); all done in ~24 s (FCFS), ~15 s (RR)",
     "nested": "under ABS the groups nearly ordered by priority, ~4,000 ms mean RTT at the top",
     "pifo": "1,000 streams: 9.87 ms (PIFO) against 35.2 ms (sorted list), 3.6x",
@@ -125,8 +125,8 @@ class Record:
     """From the tunnel's CONNECT until its inner connection's handshake was done."""
 
 
-def seed_urgency(priority: int) -> int:
-    """The seed's priority (1 to 10, 10 most urgent) as an RFC 9218 urgency (0 most urgent)."""
+def thesis_urgency(priority: int) -> int:
+    """The thesis's priority (1 to 10, 10 most urgent) as an RFC 9218 urgency (0 most urgent)."""
     return round((10 - priority) * 7 / 9)
 
 
@@ -166,7 +166,7 @@ async def client(
         async def tunnel(group: int) -> None:
             start = time.monotonic()
             spec = StreamSpec(priority=group) if setup.name == "nested" else None
-            urgency = seed_urgency(group) if setup.name == "nested" else None
+            urgency = thesis_urgency(group) if setup.name == "nested" else None
             opened = None
             try:
                 opened = await masque.open_tunnel(
@@ -443,7 +443,7 @@ def plot(runs: Runs, out: Path) -> list[Path]:
         left.bar(names, [100 * float(r["completion"]) for r in tunnel_rows],
                  yerr=[100 * float(r["completion_ci95"] or 0) for r in tunnel_rows],
                  capsize=4, label="ours")  # fmt: skip
-        left.scatter(["fcfs", "rr"], [17, 68], color="black", marker="x", zorder=3, label="seed")
+        left.scatter(["fcfs", "rr"], [17, 68], color="black", marker="x", zorder=3, label="thesis")
         left.set_ylabel(f"tunnels done within {DEADLINE_S:g} s (%)")
         left.set_title("Completion (95% CI over seeds)")
         left.legend()
@@ -461,7 +461,7 @@ def plot(runs: Runs, out: Path) -> list[Path]:
         right.set_title("Latency, all seeds")
         right.legend()
         fig.suptitle(
-            "100 tunnels x 10 KB echo, 5 Mbit/s, 1.5% loss, 50 ms (seed 004 ch. 2, exp. 1)"
+            "100 tunnels x 10 KB echo, 5 Mbit/s, 1.5% loss, 50 ms: Chuppala (2024), ch. 2, exp. 1"
         )
         fig.tight_layout()
         written.append(out / "tunnels.png")
@@ -480,7 +480,7 @@ def plot(runs: Runs, out: Path) -> list[Path]:
             )  # fmt: skip
         ax.set_xlabel("outer priority (10 most urgent)")
         ax.set_ylabel("mean RTT of the group's streams (ms)")
-        ax.set_title("10 tunnels x 30 streams x 1 KB, inner rr (seed 004 ch. 2, exp. 2)")
+        ax.set_title("10 tunnels x 30 streams x 1 KB, inner rr: Chuppala (2024), ch. 2, exp. 2")
         ax.legend()
         fig.tight_layout()
         written.append(out / "nested.png")
@@ -490,12 +490,12 @@ def plot(runs: Runs, out: Path) -> list[Path]:
 
 
 def report(runs: Runs, out: Path) -> list[str]:
-    """Prints the tables beside the seed's numbers; returns the target lines."""
+    """Prints the tables beside the thesis's numbers; returns the target lines."""
     lines = []
     tunnel_rows = summarise_tunnels(runs)
     if tunnel_rows:
         write_csv(out / "tunnels.csv", tunnel_rows)
-        print(f"\n1. tunnels (seed: {SEED['tunnels']})")
+        print(f"\n1. tunnels (the thesis: {THESIS['tunnels']})")
         print(f"{'outer':6} {'completion by 8 s':>22} {'all done (s)':>16} {'p50 s':>7} "
               f"{'failed':>6} {'inner packets a tunnel':>22}")  # fmt: skip
         for r in tunnel_rows:
@@ -508,7 +508,7 @@ def report(runs: Runs, out: Path) -> list[str]:
             ratio = by["rr"] / by["fcfs"] if by["fcfs"] else math.inf
             lines.append(f"{'MET' if ratio >= 2 else 'MISSED'} rr completes at least 2x fcfs by "
                          f"8 s: {100 * by['rr']:.1f}% against {100 * by['fcfs']:.1f}%, "
-                         f"{ratio:.2f}x (seed: 4x)")  # fmt: skip
+                         f"{ratio:.2f}x (the thesis: 4x)")  # fmt: skip
             slow = {r["scheduler"]: r for r in tunnel_rows}
             lines.append(
                 "     inner handshakes over quic-go's 5 s timeout: "
@@ -525,7 +525,7 @@ def report(runs: Runs, out: Path) -> list[str]:
     if groups:
         write_csv(out / "nested_groups.csv", groups)
         write_csv(out / "nested.csv", correlations)
-        print(f"\n2. nested (seed: {SEED['nested']})")
+        print(f"\n2. nested (the thesis: {THESIS['nested']})")
         schedulers = list(dict.fromkeys(str(g["scheduler"]) for g in groups))
         print("mean RTT (ms) by outer priority:")
         print(f"{'priority':>8} " + " ".join(f"{s:>12}" for s in schedulers))
@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ])  # fmt: skip
     lines = report(runs, out)
     if "pifo" in chosen and not args.report:
-        print(f"\n3. pifo (seed: {SEED['pifo']})")
+        print(f"\n3. pifo (the thesis: {THESIS['pifo']})")
         for command in PIFO_COMMANDS["quick" if args.quick else "full"]:
             print(f"$ {' '.join(command)}", flush=True)
             subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT, check=True)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from config import DEFAULT_PATH, load
 from config.schema import PathSpec
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from netsim.link import GilbertElliott, LinkConfig
 from netsim.simlink import SimulatedPath
 from router.paths import (

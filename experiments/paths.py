@@ -1,26 +1,27 @@
 """`python -m experiments.paths`: the network-aware router against the network-blind one, with
-clients on the paths of a mix (issue 17).
+clients on the paths of a mix. The targets: +0.05 of mean reward on the mixed paths (GAIN_TARGET),
+and at most 0.005 lost with every client on the LAN (LAN_TOLERANCE).
 
 Every request's client is on a path drawn from models.yaml's path mix (`mixed`: LAN, LTE, 3G and
 a bad link, 40/30/20/10%), and its answer is delivered over it: the SLO is met or missed at the
 client (`router.paths`). The same requests, the same paths and the same cluster for every policy:
-- the network-blind DQN (`router/policies/paper-4gpu.npz`), which sees only the servers;
+- the network-blind DQN (`router/trained/paper-4gpu.npz`), which sees only the servers;
 - the network-aware DQN (the deployment's `policy.net_path`), which also sees each request's
   path and remaining budget;
 - a path rule, the network-blind DQN that sends a request whose path takes over a fifth of its
   SLO's time to the second-best model: what one line of knowledge of the network buys;
 - the one-model baselines, for scale.
 
-Workloads, as seed 004's (§5.1.3): stable (Poisson at each rate, 40 s, a fresh cluster each) and
-unpredictable (the rate switching among 0.25-48 req/s, 10 s a level on average, 300 s); classes
-uniform over the deployment's, as in training. Each runs with the `mixed` mix and with every
-client on the LAN (`lan`), where knowing the network should change nothing.
+Workloads, as in §5.1.3 of Chuppala (2024): stable (Poisson at each rate, 40 s, a fresh cluster
+each) and unpredictable (the rate switching among 0.25-48 req/s, 10 s a level on average, 300 s);
+classes uniform over the deployment's, as in training. Each runs with the `mixed` mix and with
+every client on the LAN (`lan`), where knowing the network should change nothing.
 
     python -m experiments.paths                 # 8 rates x 40 s + 300 s unpredictable, 3 seeds
     python -m experiments.paths --quick         # 4 rates, 120 s unpredictable, 1 seed
 
 Writes results/paths/runs.csv (one row per run and policy), summary.csv, and fig5-paths.png:
-each model's share per path and load for both DQNs, as seed 004's Figure 5 shows it per task.
+each model's share per path and load for both DQNs, as the thesis's Figure 5 shows it per task.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load, load_deployment
-from experiments.output import as_float, as_int, write_csv
+from experiments.harness.output import as_float, as_int, write_csv
 from experiments.transport_micro import mean_ci
 from router.evaluate import mean_reward, simulate
 from router.features import FeatureEncoder
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 
 def summarize(rows: Sequence[dict[str, object]]) -> tuple[list[dict[str, object]], list[str]]:
     """Per mix and workload: each policy's mean reward (a workload's score is the mean over its
-    phases, as seed 004 scores the stable one), and the network-aware DQN's gain, paired by
+    phases, as the thesis scores the stable one), and the network-aware DQN's gain, paired by
     seed, with its 95% CI; then the targets' verdicts."""
     scores: dict[tuple[str, str, str], dict[int, list[float]]] = {}
     for r in rows:
@@ -227,7 +228,7 @@ def per_path(rows: Sequence[dict[str, object]], paths: Sequence[str]) -> None:
 
 def plot(rows: Sequence[dict[str, object]], paths: Sequence[str], models: Sequence[str],
          out: Path) -> None:  # fmt: skip
-    """Each model's share of a path's requests at each load, both DQNs: seed 004's Figure 5,
+    """Each model's share of a path's requests at each load, both DQNs: the thesis's Figure 5,
     per path instead of per task."""
     import matplotlib
 

@@ -1,23 +1,23 @@
-"""`python -m experiments.prefix_aware`: seed 003 (KubeAI's prefix-aware load balancing),
-reproduced in the simulator.
+"""`python -m experiments.prefix_aware`: KubeAI's benchmark ("Benchmarking Prefix Aware Load
+Balancing"), reproduced in the simulator.
 
-The seed's shape: eight replicas of Llama 3.1 8B FP8 on L4s (`seed003-sim`), each with vLLM's
-prefix cache (`router.kv_cache`), sent seed 003's benchmark workload (800 prompts cut from
-multi-turn conversations, 8,000 requests, `workloads.conversations.seed003_prompts`) by a
-closed-loop client at concurrency 800, 1,600, 3,200 and 8,000 and the seed's request rates
+The benchmark's shape: eight replicas of Llama 3.1 8B FP8 on L4s (`kubeai-l4-sim`), each with
+vLLM's prefix cache (`router.kv_cache`), sent the benchmark's workload (800 prompts cut from
+multi-turn conversations, 8,000 requests, `workloads.conversations.kubeai_benchmark_prompts`) by a
+closed-loop client at concurrency 800, 1,600, 3,200 and 8,000 and the benchmark's request rates
 (800, 200, 200, 800 a second), as `vllm bench serve --max-concurrency` sends them
 (`router.closed_loop`). Prompts are counted, and their blocks hashed, by the deployment's
 tokenizer through its chat template, as the gateway counts them. No first-token deadline: the
-seed's client had none.
+benchmark's client had none.
 
 Every policy runs: round-robin, random (Kubernetes' Service), least-load, and the three
 prefix-aware ones (`router.prefix`): bounded-load hashing (KubeAI's), an approximate index kept
 from routing decisions, and a precise one kept from the engines' KV events. The table prints
-beside the seed's numbers.
+beside KubeAI's numbers.
 
-`--uneven` draws the prompts with Zipf popularity over conversations (some far busier than
-others) instead of the seed's ten passes. `--calibrate` fits the L4 profile to the seed's
-round-robin row alone (module `calibrate`) and prints what models.yaml should hold.
+`--uneven` draws the prompts with Zipf popularity over conversations (some far busier than others)
+instead of the benchmark's ten passes. `--calibrate` fits the L4 profile to KubeAI's round-robin
+row alone (module `calibrate`) and prints what models.yaml should hold.
 
 Writes results/prefix_aware/seed.csv (and .png), or uneven.csv, or calibration.csv.
 """
@@ -35,27 +35,27 @@ from pathlib import Path
 import numpy as np
 
 from config import Deployment, load, load_deployment, resolve
-from experiments.output import write_csv
+from experiments.harness.output import write_csv
 from router.closed_loop import run_closed_loop
 from router.evaluate import mean_reward
-from router.policies import Policy, make_policy
-from router.prefix import ModelThenReplica, PrefixAffinity
+from router.policies import ModelThenReplica, Policy, make_policy
+from router.prefix import PrefixAffinity
 from router.route import Router
 from router.sim import SHED, Finished, Simulator
 from serving.engines.prompts import PromptCounter, gateway_counter
 from workloads import Request
-from workloads.conversations import conversations, seed003_prompts, turns
+from workloads.conversations import conversations, kubeai_benchmark_prompts, turns
 from workloads.lengths import LMSYS_CHAT, SHAREGPT_16
 
-DEPLOYMENT = "seed003-sim"
+DEPLOYMENT = "kubeai-l4-sim"
 POLICIES = (
     "round-robin", "random-replica", "least-load", "prefix-hash", "prefix-approx", "prefix-precise",
 )  # fmt: skip
 RUNS = ((800, 800.0), (1600, 200.0), (3200, 200.0), (8000, 800.0))
-"""(concurrency, request rate) of the seed's four runs."""
+"""(concurrency, request rate) of the benchmark's four runs."""
 
-SEED = {
-    # Seed 003's published results: mean TTFT (ms), P99 TTFT (ms), benchmark duration (s).
+KUBEAI = {
+    # KubeAI's published results: mean TTFT (ms), P99 TTFT (ms), benchmark duration (s).
     "round-robin": {800: (1319.77, 7438.41, 159.98), 1600: (10365.29, 22283.86, 157.07),
                     3200: (27183.41, 51797.57, 156.36), 8000: (48587.55, 101940.11, 156.20)},
     "least-load": {800: (817.18, 5551.81, 158.39), 1600: (10579.01, 15514.10, 153.02),
@@ -75,12 +75,12 @@ class Scale:
 
 FULL = Scale(conversations=150, prompts=800, requests=8000, runs=RUNS)
 QUICK = Scale(conversations=150, prompts=800, requests=2000, runs=RUNS)
-"""A quarter of the requests, at the seed's concurrency and rates."""
+"""A quarter of the requests, at the benchmark's concurrency and rates."""
 
 
 def counter(deployment: Deployment) -> PromptCounter:
     """Counts as the twin's gateway does (`gateway_counter`), remembering each distinct
-    prompt's count: the seed's benchmark repeats its prompts ten times."""
+    prompt's count: KubeAI's benchmark repeats its prompts ten times."""
     count = gateway_counter(deployment, remember=True)
     if count is None:
         raise ValueError(f"deployment {deployment.name}: no tokenizer here to count prompts with")
@@ -89,7 +89,7 @@ def counter(deployment: Deployment) -> PromptCounter:
 
 def seed_requests(count: PromptCounter, scale: Scale, seed: int, uneven: bool) -> list[Request]:
     convs = conversations(SHAREGPT_16, scale.conversations, seed)
-    requests = seed003_prompts(convs, scale.prompts, scale.requests, count=count)
+    requests = kubeai_benchmark_prompts(convs, scale.prompts, scale.requests, count=count)
     if uneven:
         requests = zipf_draws(requests, scale.requests, seed)
     return [count.counted(r) for r in requests]
@@ -311,10 +311,10 @@ def calibrate(
     seed: int,
     progress: Callable[[], object] = lambda: None,
 ) -> list[dict]:
-    """Fit the profile to seed 003's round-robin row alone: every combination of KV reserve
+    """Fit the profile to KubeAI's round-robin row alone: every combination of KV reserve
     (how much of the device's memory share holds no KV cache), prefill per token and a scale on
     the derived step times, scored by the squared log error of round-robin's mean TTFT and
-    duration at the seed's four runs. The prefix-aware rows are not looked at."""
+    duration at the benchmark's four runs. The prefix-aware rows are not looked at."""
     spec = load()
     name = deployment.name
     profile_name = spec.deployments[name].profile
@@ -338,7 +338,7 @@ def calibrate(
         for concurrency, rate in scale.runs:
             done, sim = simulate(fitted, "round-robin", requests, concurrency, rate, seed)
             r = row("round-robin", concurrency, rate, done, sim)
-            ttft, _, duration = SEED["round-robin"][_full(concurrency, scale)]
+            ttft, _, duration = KUBEAI["round-robin"][_full(concurrency, scale)]
             error += (
                 math.log(r["mean_ttft_ms"] / ttft) ** 2 + math.log(r["duration_s"] / duration) ** 2
             )
@@ -356,7 +356,7 @@ def calibrate(
 
 
 def _full(concurrency: int, scale: Scale) -> int:
-    """The seed's concurrency a run of `scale` stands for."""
+    """The benchmark's concurrency a run of `scale` stands for."""
     concurrencies = [c for c, _ in scale.runs]
     if len(concurrencies) == len(RUNS) and concurrency in concurrencies:
         return RUNS[concurrencies.index(concurrency)][0]
@@ -369,11 +369,12 @@ def _full(concurrency: int, scale: Scale) -> int:
 def print_table(rows: Sequence[dict], scale: Scale) -> None:
     print(
         f"{'policy':>15} {'conc':>5} {'mean TTFT':>10} {'p99 TTFT':>10} {'TPOT':>6} "
-        f"{'dur s':>6} {'req/s':>6} {'hits':>5} | {'seed mean':>9} {'seed p99':>9} {'seed dur':>8}"
+        f"{'dur s':>6} {'req/s':>6} {'hits':>5} | "
+        f"{'KubeAI mean':>11} {'KubeAI p99':>10} {'KubeAI dur':>10}"
     )
     for r in rows:
-        seed = SEED.get(r["policy"], {}).get(_full(r["concurrency"], scale))
-        theirs = f"{seed[0]:>9.0f} {seed[1]:>9.0f} {seed[2]:>8.1f}" if seed else ""
+        kubeai = KUBEAI.get(r["policy"], {}).get(_full(r["concurrency"], scale))
+        theirs = f"{kubeai[0]:>11.0f} {kubeai[1]:>10.0f} {kubeai[2]:>10.1f}" if kubeai else ""
         print(
             f"{r['policy']:>15} {r['concurrency']:>5} {r['mean_ttft_ms']:>10.0f} "
             f"{r['p99_ttft_ms']:>10.0f} {r['mean_tpot_ms']:>6.0f} {r['duration_s']:>6.1f} "
@@ -393,13 +394,13 @@ def plot(rows: Sequence[dict], scale: Scale, path: Path, title: str) -> None:
         mine = [r for r in rows if r["policy"] == name]
         line = left.plot(concurrencies, [r["mean_ttft_ms"] for r in mine], "o-", label=name)
         right.plot(concurrencies, [r["hit_rate"] for r in mine], "o-", color=line[0].get_color())
-        if name in SEED:
+        if name in KUBEAI:
             left.plot(
                 concurrencies,
-                [SEED[name][_full(c, scale)][0] for c in concurrencies],
+                [KUBEAI[name][_full(c, scale)][0] for c in concurrencies],
                 "x--",
                 color=line[0].get_color(),
-                label=f"{name} (seed 003)",
+                label=f"{name} (KubeAI)",
             )
     left.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="mean TTFT (ms)", title=title)
     left.legend(fontsize=7)
@@ -423,12 +424,12 @@ def main() -> int:
     parser.add_argument(
         "--uneven",
         action="store_true",
-        help="Zipf popularity over conversations instead of the seed's passes",
+        help="Zipf popularity over conversations instead of the benchmark's passes",
     )
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="fit the L4 profile on the seed's round-robin row, print the best",
+        help="fit the L4 profile on KubeAI's round-robin row, print the best",
     )
     parser.add_argument(
         "--routers",
@@ -437,7 +438,7 @@ def main() -> int:
         help="routers taking turns, each with its own index (default 1)",
     )
     parser.add_argument(
-        "--runs", help="concurrency:rate pairs instead of the seed's four, e.g. 8000:74"
+        "--runs", help="concurrency:rate pairs instead of the benchmark's four, e.g. 8000:74"
     )
     parser.add_argument(
         "--paper",
@@ -471,7 +472,7 @@ def main() -> int:
     print(
         f"{len(requests)} requests, {len({r.prompt for r in requests})} distinct prompts from "
         f"{len({r.session_id for r in requests})} conversations; {prompt:.0f} prompt tokens and "
-        f"{output:.0f} output tokens on average (seed 003: 832 and 76)",
+        f"{output:.0f} output tokens on average (KubeAI's benchmark: 832 and 76)",
         file=sys.stderr,
     )
     if args.calibrate:
@@ -490,7 +491,8 @@ def main() -> int:
     name += "-runs" if args.runs else ""
     name += f"-s{args.seed}" if args.seed else ""
     write_csv(args.results / f"{name}.csv", rows)
-    title = "Mean TTFT, " + ("Zipf-popular conversations" if args.uneven else "seed 003's workload")
+    workload = "Zipf-popular conversations" if args.uneven else "KubeAI's benchmark workload"
+    title = "Mean TTFT, " + workload
     plot(rows, scale, args.results / f"{name}.png", title)
     print_table(rows, scale)
     print(f"wrote {args.results / name}.csv and .png")

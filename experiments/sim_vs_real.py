@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from config import DEFAULT_PATH, load_deployment
-from experiments.live import replay as run_replay
-from experiments.live import server
-from experiments.output import write_csv
+from experiments.harness.live import replay as run_replay
+from experiments.harness.live import server
+from experiments.harness.output import write_csv
 from router.sim import Finished, Simulator
 from workloads import Request
 

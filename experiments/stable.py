@@ -1,4 +1,4 @@
-"""`python -m experiments.stable`: seed 004 Figures 4 and 5, the stable workload.
+"""`python -m experiments.stable`: Figures 4 and 5 of Chuppala (2024), the stable workload.
 
 Poisson arrivals at each rate from 0.25 to 48 req/s for 40 s, the cluster reset between rates,
 over several seeds. For every policy: mean reward per request and SLO attainment; for the DQN, its
@@ -26,19 +26,19 @@ from scipy import stats
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from experiments import live
-from experiments.output import as_float, as_int, write_csv
-from experiments.policies import (
+from experiments.harness import live
+from experiments.harness.baselines import (
     MARGIN,
     add_admission_argument,
     add_previous_argument,
     baselines,
     previous_dqn,
 )
+from experiments.harness.output import as_float, as_int, write_csv
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
-from workloads.metrics import Outcome
+from workloads.summary import Outcome
 
 RATES = (0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 QUICK_RATES = (0.25, 1, 4, 16, 48)
@@ -163,7 +163,7 @@ def interval(paired: Sequence[float]) -> float:
 
 
 def targets(rows: list[dict[str, object]], models: list[str], rates: list[float]) -> list[str]:
-    """The issue's Figure 4 targets, checked on these rows."""
+    """The targets for Figure 4, checked on these rows."""
     reward = mean_by(rows, "mean_reward")
     if ("dqn", rates[0]) not in reward:
         return ["no trained DQN policy: targets not checked"]

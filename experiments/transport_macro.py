@@ -1,23 +1,23 @@
-"""Seed 004's end-to-end benchmark (§5.3, Tables 3 and 4): routing policy x transport stack, with
-clients behind the 3G link, scored at the client.
+"""The end-to-end benchmark of Chuppala (2024), §5.3, Tables 3 and 4: routing policy x transport
+stack, with clients behind the 3G link, scored at the client.
 
-Chat requests go to the `paper-4gpu-sim` deployment (the seed's four GPUs, as simulated engines)
+Chat requests go to the `paper-4gpu-sim` deployment (the thesis's four GPUs, as simulated engines)
 over the 3G link of `experiments.transport_micro` (5 Mbit/s, 0.5% loss, 50 ms RTT), in virtual
-time (`experiments.cosim`): real aioquic connections carry each response's SSE events at the
+time (`experiments.harness.cosim`): real aioquic connections carry each response's SSE events at the
 times the simulated engines make them.
 
-Classes, as the seed's three (choices the thesis leaves open, made here):
+Classes, as the thesis's three (choices it leaves open, made here):
 - high priority, small input: OpenBookQA, `real-time` (a quarter of requests, the task mix being
   uniform);
 - low priority, small input: the other three tasks, `free-tier`;
 - low priority, large input: a third of the other tasks' requests, `long`, with a 1,500-token
   prompt (it fits OPT's 2,048-token context with the 128 output tokens at most).
 
-Score: a request scores its model's quality on its task (models.yaml's table, seed Table 1) if its
-last token reached the client within 40 ms per token of its sending, else 0. The classes'
-reward weights stay 1.0, so the score is the seed's plain accuracy and the shipped DQN, trained
-under those weights, is the one measured (no retraining). The first-token deadline (1, 2 and 7 s
-by class) is reported beside it, met at the client.
+Score: a request scores its model's quality on its task (models.yaml's table, the thesis's Table 1)
+if its last token reached the client within 40 ms per token of its sending, else 0. The classes'
+reward weights stay 1.0, so the score is the thesis's plain accuracy and the shipped DQN, trained
+under those weights, is the one measured (no retraining). The first-token deadline (1, 2 and 7 s by
+class) is reported beside it, met at the client.
 
 Workloads: stable (Poisson at each rate from 0.25 to 48 req/s for 40 s, the cluster reset between
 rates; a cell's score is the mean over rates of each rate's mean score, so every rate weighs the
@@ -49,9 +49,9 @@ import numpy as np
 from tqdm import tqdm
 
 from config import Deployment, load_deployment
-from experiments.cosim import CoSimulation, Delivery
-from experiments.output import as_float, as_int, write_csv
-from experiments.policies import baselines
+from experiments.harness.baselines import baselines
+from experiments.harness.cosim import CoSimulation, Delivery
+from experiments.harness.output import as_float, as_int, write_csv
 from experiments.transport_micro import LINK_3G, STACKS, mean_ci
 from netsim.link import LinkConfig
 from router.paths import TOKEN_BYTES
@@ -72,8 +72,8 @@ LARGE_SHARE = 1 / 3
 LARGE_PROMPT_TOKENS = 1500
 WORKLOADS = ("stable", "unpredictable")
 
-SEED_TABLES = {
-    # stack: (Table 3: OPT-2.7B, OPT-1.3B, policy; Table 4: the same), seed 004 §5.3
+THESIS_TABLES = {
+    # stack: (Table 3: OPT-2.7B, OPT-1.3B, policy; Table 4: the same), the thesis's §5.3
     "rr": (0.20, 0.25, 0.42, 0.19, 0.54, 0.42),
     "fcfs": (0.19, 0.24, 0.36, 0.17, 0.53, 0.36),
     "edf": (0.21, 0.37, 0.52, 0.19, 0.64, 0.48),
@@ -87,7 +87,7 @@ its TLS/TCP-1conn one connection for all (h2-tls)."""
 
 
 def classify(request: Request, rng: np.random.Generator, padding: np.random.Generator) -> Request:
-    """The seed's three classes, from the task. A large input is the task's example led by
+    """The thesis's three classes, from the task. A large input is the task's example led by
     background text (from `padding`) to about 1,500 tokens, so that a live server reads as long a
     prompt as the simulator counts."""
     if request.task == REAL_TIME_TASK:
@@ -256,9 +256,11 @@ def print_tables(rows: list[dict[str, object]], policies: list[str]) -> list[dic
             continue
         offset = 0 if kind == "stable" else 3
         print(f"\nTable {number} ({kind}): mean score at the client (± 95% CI over seeds); "
-              "seed 004's OPT-2.7B / OPT-1.3B / policy on the right")  # fmt: skip
+              "the thesis's OPT-2.7B / OPT-1.3B / policy on the right")  # fmt: skip
         print(
-            f"{'stack':8} " + " ".join(f"{p:>16}" for p in policies) + "   seed: 2.7B  1.3B  policy"
+            f"{'stack':8} "
+            + " ".join(f"{p:>16}" for p in policies)
+            + "   thesis: 2.7B  1.3B  policy"
         )
         for stack in stacks:
             cells = []
@@ -273,14 +275,14 @@ def print_tables(rows: list[dict[str, object]], policies: list[str]) -> list[dic
                                 "seeds": len(values), "score": round(mean, 4),
                                 "ci95": round(ci, 4), "min": round(min(values), 4),
                                 "max": round(max(values), 4)})  # fmt: skip
-            seed = SEED_TABLES.get(stack)
-            theirs = "  ".join(f"{v:.2f}" for v in seed[offset : offset + 3]) if seed else "  -"
+            thesis = THESIS_TABLES.get(stack)
+            theirs = "  ".join(f"{v:.2f}" for v in thesis[offset : offset + 3]) if thesis else "  -"
             print(f"{stack:8} " + " ".join(cells) + f"   {theirs}")
     return summary
 
 
 NET_MARGIN = 0.05
-"""Issue 17: the network-aware DQN's margin over the best static x scheduler cell."""
+"""The target for the network-aware DQN: its margin over the best static x scheduler cell."""
 
 
 def check_targets(summary: list[dict[str, object]]) -> list[str]:
@@ -305,11 +307,11 @@ def check_targets(summary: list[dict[str, object]]) -> list[str]:
             best = max(net, key=lambda s: net[s])
             margin = net[best] - static[rival]
             lost = kind == "unpredictable"
-            seed = " (seed 004 lost it by 0.16: 0.48 against 0.64)" if lost else ""
+            thesis = " (the thesis lost it by 0.16: 0.48 against 0.64)" if lost else ""
             lines.append(f"{'PASS' if margin >= NET_MARGIN else 'MISS'} {kind}: the network-aware "
                          f"DQN with {best} ({net[best]:.3f}) against the best static x scheduler "
                          f"cell ({rival[1]} with {rival[0]}, {static[rival]:.3f}): {margin:+.3f} "
-                         f"(target: +{NET_MARGIN}){seed}")  # fmt: skip
+                         f"(target: +{NET_MARGIN}){thesis}")  # fmt: skip
         quic = {s: v for s, v in dqn.items() if s not in ("h1-tls", "h2-tls")}
         others = [s for s in ("rr", "h1-tls", "h2-tls") if s in dqn]
         if quic and others:

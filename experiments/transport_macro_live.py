@@ -1,11 +1,12 @@
-"""The live check of seed 004's end-to-end benchmark: a subset of `experiments.transport_macro`'s
-cells run both in virtual time and live, over the TUN emulator, scored alike and compared.
+"""The live check of the end-to-end benchmark of Chuppala (2024): a subset of
+`experiments.transport_macro`'s cells run both in virtual time and live, over the TUN emulator,
+scored alike and compared.
 
 The subset is the issue's: the DQN and the best static model (OPT-1.3B) x rr, edf, ml and the two
 TLS/TCP stacks, at 3 rates of the stable workload. Each (cell, rate) is one run on a fresh
 cluster, as in the co-simulation, with the same requests:
 
-- virtual: `experiments.cosim`, as `python -m experiments.transport_macro` runs it;
+- virtual: `experiments.harness.cosim`, as `python -m experiments.transport_macro` runs it;
 - live: a fresh emulated 3G link (`netsim.netem`, the co-simulation's link and loss seed), the
   real server (`python -m serving --deployment paper-4gpu-sim`) in its server namespace, with the
   stack's QUIC scheduler and CUBIC, or `--tls` for the TCP stacks; and the load generator
@@ -44,10 +45,10 @@ from typing import Any, TypedDict
 from tqdm import tqdm
 
 from config import Deployment, load_deployment
-from experiments.cosim import Delivery
-from experiments.live import cpu_seconds, live_policy
-from experiments.output import as_float, as_int, write_csv
-from experiments.policies import baselines
+from experiments.harness.baselines import baselines
+from experiments.harness.cosim import Delivery
+from experiments.harness.live import cpu_seconds, live_policy
+from experiments.harness.output import as_float, as_int, write_csv
 from experiments.transport_macro import (
     DEPLOYMENT,
     RATE_SECONDS,
@@ -61,9 +62,9 @@ from experiments.transport_micro import CONGESTION_CONTROL, LINK_3G, STACKS, TCP
 from netsim.netem import Netem, NetemError, check_can_run
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
-from workloads.metrics import Outcome
 from workloads.replay import MAX_CLIENT_CPU, MAX_P99_LAG_S
 from workloads.request import Request, save_requests
+from workloads.summary import Outcome
 
 OUT = Path("results/transport_macro_live")
 ROOT = Path(__file__).resolve().parent.parent

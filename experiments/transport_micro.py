@@ -1,4 +1,4 @@
-"""Seed 004's scheduler microbenchmark (§5.2, Figures 7 and 8), over the link emulator.
+"""The scheduler microbenchmark of Chuppala (2024), §5.2, Figures 7 and 8, over the link emulator.
 
 90 requests to an echo endpoint cross an emulated 3G link (5 Mbit/s, 0.5% loss, 50 ms), each in a
 class drawn uniformly: real-time short (8 KB, 1 s deadline), free-tier short (8 KB, 2 s) and long
@@ -51,7 +51,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import load_deployment
-from experiments.output import as_float, write_csv
+from experiments.harness.output import as_float, write_csv
 from netsim.link import LinkConfig
 from netsim.netem import Netem, NetemError, check_can_run
 from transport.schedulers import SCHEDULERS
@@ -62,14 +62,14 @@ KEY = "transport-micro-key"
 """The premium key the client sends, so that real-time is a class it may ask for."""
 
 CLASSES = {"real-time": 8_000, "free-tier": 8_000, "long": 102_400}
-"""Bytes each way, by class (seed 004 §5.2: 8 KB, 8 KB, 102.4 KB)."""
+"""Bytes each way, by class (the thesis's §5.2: 8 KB, 8 KB, 102.4 KB)."""
 QUIC_STACKS = ("fcfs", "rr", "edf", "abs", "ml", "pifo")
 TCP_STACKS = ("h1-tls", "h2-tls")
 STACKS = (*QUIC_STACKS, *TCP_STACKS)
 LINK_3G = LinkConfig(rate_bps=5e6, delay_s=0.025, loss=0.005)
 HTTP_PORT, H3_PORT = 8443, 8443
 CONGESTION_CONTROL = "cubic"
-"""QUIC's, at both ends, as the seed's quic-go used and Linux TCP's stock default. aioquic's
+"""QUIC's, at both ends, as the thesis's quic-go used and Linux TCP's stock default. aioquic's
 default, Reno, recovers slowly from a loss early in slow start: over this link it cost real-time
 requests their 1 s deadline (ml 91.5%, abs 97% completion under Reno)."""
 
@@ -356,7 +356,9 @@ def plot(runs: Runs, rows: list[dict[str, object]], out: Path) -> None:
         )
     ax.set_xticks(range(len(stacks)), stacks)
     ax.set_ylabel("completed by deadline (%)")
-    ax.set_title("Completion per class over a 3G link (seed 004 Fig. 7); 95% CI over seeds")
+    ax.set_title(
+        "Completion per class over a 3G link, as Fig. 7 of Chuppala (2024); 95% CI over seeds"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fig7_completion.png", dpi=120)
@@ -376,7 +378,7 @@ def plot(runs: Runs, rows: list[dict[str, object]], out: Path) -> None:
         ax.set_ylabel("latency (s)")
         ax.tick_params(axis="x", rotation=45)
         ax.legend()
-    fig.suptitle("Latency per class over a 3G link (seed 004 Fig. 8)")
+    fig.suptitle("Latency per class over a 3G link, as Fig. 8 of Chuppala (2024)")
     fig.tight_layout()
     fig.savefig(out / "fig8_latency.png", dpi=120)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""`python -m experiments.unpredictable`: seed 004 Table 2 and Figure 6.
+"""`python -m experiments.unpredictable`: Table 2 and Figure 6 of Chuppala (2024).
 
 The arrival rate switches at random among levels from 0.25 to 48 req/s, each held for an
 exponentially distributed time (MAF2-style bursts, `workloads.arrivals.SwitchingRate`). For every
@@ -24,19 +24,19 @@ import numpy as np
 from tqdm import tqdm
 
 from config import DEFAULT_PATH, ConfigError, Deployment, load_deployment
-from experiments import live
-from experiments.output import as_float, as_int, write_csv
-from experiments.policies import (
+from experiments.harness import live
+from experiments.harness.baselines import (
     add_admission_argument,
     add_previous_argument,
     baselines,
     previous_dqn,
 )
+from experiments.harness.output import as_float, as_int, write_csv
 from experiments.stable import interval
 from router.evaluate import outcomes, simulate
 from workloads.arrivals import SwitchingRate
 from workloads.generate import WorkloadSpec
-from workloads.metrics import WINDOW_THRESHOLDS, summarize
+from workloads.summary import WINDOW_THRESHOLDS, summarize
 
 KEYS = [f"{t:.2f}" for t in WINDOW_THRESHOLDS]
 

@@ -23,12 +23,12 @@ MTU = 1500
 
 @dataclass(frozen=True)
 class GilbertElliott:
-    """Bursty loss: a two-state Markov chain stepped once a slot (seed 002 §4.1).
+    """Bursty loss: a two-state Markov chain stepped once a slot (Chatterbox §4.1).
 
-    Its periods are stated as mean lengths in slots, not as the seed's p and q, whose text and
+    Its periods are stated as mean lengths in slots, not as Chatterbox's p and q, whose text and
     figures disagree on what p means: the chain leaves the good state with probability
     1 / `good_slots` at each slot boundary, and the bad state with 1 / `bad_slots`. The defaults
-    are the seed's default case: 100 ms slots, good periods of 10 slots (1,000 ms) on average
+    are Chatterbox's default case: 100 ms slots, good periods of 10 slots (1,000 ms) on average
     with no loss, lossy periods of 2 slots (200 ms) with 90% loss; about 15% loss overall.
     """
 

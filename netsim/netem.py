@@ -1,8 +1,8 @@
 """A link emulator between network namespaces, for real kernel TCP and UDP alike.
 
-The kernel here has no `sch_netem` (FACTS), so the link is emulated in user space: each link is a
-pair of TUN devices, one in the namespace at either end, and `netsim.forwarder` copies the IP
-packets between them through `netsim.link`'s model (rate or delivery trace, delay, loss).
+The development VM's kernel has no `sch_netem`, so the link is emulated in user space: each link
+is a pair of TUN devices, one in the namespace at either end, and `netsim.forwarder` copies the
+IP packets between them through `netsim.link`'s model (rate or delivery trace, delay, loss).
 
 Topologies:
 - `pair`: a client and a server;

@@ -1,10 +1,10 @@
 """A UDP relay on localhost that carries live QUIC traffic over a simulated link, in real time.
 
-The kernel here has no netem (FACTS), so live lossy runs go through this instead: the client
-talks to the relay's port, and the relay forwards each datagram to the server (and each reply
-back) after the link's serialisation and propagation delay, or drops it, with the same
-`netsim.link` model, rate, delay, uniform or Gilbert-Elliott loss, that the virtual-time
-experiments use. One relay serves one client address.
+The development VM's kernel has no netem (`sch_netem`), so live lossy runs go through this
+instead: the client talks to the relay's port, and the relay forwards each datagram to the
+server (and each reply back) after the link's serialisation and propagation delay, or drops it,
+with the same `netsim.link` model, rate, delay, uniform or Gilbert-Elliott loss, that the
+virtual-time experiments use. One relay serves one client address.
 """
 
 from __future__ import annotations

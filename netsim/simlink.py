@@ -5,8 +5,8 @@ process through a link with a rate (serialisation delay and a FIFO queue), a one
 delay and random loss, all in virtual time under a seed. The same seed gives the same packets,
 losses and timings, so scheduler behaviour can be tested exactly and fast: seconds of link time
 take milliseconds. The link itself is `netsim.link`'s model, which the UDP relay drives too.
-The kernel here has no netem (FACTS); the real-network emulator is for the live system, this
-is for tests and simulations.
+The development VM's kernel has no netem (`sch_netem`); the real-network emulator is for the
+live system, this is for tests and simulations.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ replicas on i's device busy (each slows an iteration by the profile's interferen
 request's expected output tokens (`router.features.OutputPredictor`):
 - the reward it would earn if it met its SLO: m's quality on its task (the table's mean for
   an unknown task) times its class's weight; and that less the best of the models worth less
-  (of those with a replica the view allows): what m's capacity adds for this request, which
-  the router weighs against the next request's (on the seed's workload at 8-32 req/s, the
+  (of those with a replica the view allows): what m's capacity adds for this request, which the
+  router weighs against the next request's (on the workload of Chuppala (2024) at 8-32 req/s, the
   router before it learned to keep OPT-6.7B for HellaSwag, where it adds the most);
 - b / 32, the mean load of m's allowed replicas / 32, and k over the device's other replicas;
 - the first token's expected wait over the class's first-token deadline: the step in progress

@@ -4,7 +4,7 @@ One step is one request: the observation describes the cluster as the request ar
 routes it, and the environment runs the simulator up to the next arrival.
 
 Actions: by default the model tier (index into `deployment.models`), sent to that model's
-least-loaded replica as in seed 004; with `action="replica"`, the replica itself.
+least-loaded replica as in Chuppala (2024); with `action="replica"`, the replica itself.
 
 Rewards arrive late: a request's reward (quality x class weight if it met the SLO, else 0) is
 known only when its last token is out, many steps after it was routed. Two ways to credit it:
@@ -61,12 +61,12 @@ WorkloadSampler = Callable[[np.random.Generator], WorkloadSpec]
 
 @dataclass(frozen=True)
 class RandomRates:
-    """Training workloads, as in seed 004: each episode a Poisson rate drawn log-uniformly from
+    """Training workloads, as in the thesis: each episode a Poisson rate drawn log-uniformly from
     `rates`, or (with probability `switching`) a rate that switches between levels in that range,
     so that the policy also sees load change under it. Tasks uniform; classes uniform over
     `classes`, so that every class the gateway may see has been seen in training. With
     `lengths`, each episode's request lengths are one of those distributions, drawn uniformly
-    (`workloads.lengths`), fitted to a `context`-token model; without, seed 004's."""
+    (`workloads.lengths`), fitted to a `context`-token model; without, the thesis's."""
 
     rates: tuple[float, float] = (0.25, 48.0)
     switching: float = 0.5

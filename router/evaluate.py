@@ -19,7 +19,7 @@ from router.sim import DEADLINE, OK, SHED, Finished, Simulator
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
 from workloads.lengths import Lengths
-from workloads.metrics import Outcome
+from workloads.summary import Outcome
 
 
 def simulate(
@@ -46,7 +46,7 @@ def simulate(
 
 
 def outcomes(deployment: Deployment, finished: Sequence[Finished]) -> list[Outcome]:
-    """The simulator's records in the load generator's terms, for workloads.metrics."""
+    """The simulator's records in the load generator's terms, for workloads.summary."""
     rows = []
     for f in finished:
         r = f.request
@@ -89,7 +89,7 @@ def training_workloads(
     deployment: Deployment, episodes: int, seed: int, lengths: Sequence[Lengths] = ()
 ) -> list[tuple[WorkloadSpec, int]]:
     """(workload, its seed) for `episodes` episodes like the training ones (RandomRates), with
-    request lengths from `lengths` (none: seed 004's)."""
+    request lengths from `lengths` (none: those of Chuppala (2024))."""
     rng = np.random.default_rng(seed)
     sampler = training_sampler(deployment, lengths)
     return [(sampler(rng), int(rng.integers(2**31))) for _ in range(episodes)]
@@ -140,7 +140,7 @@ GUARD_RATES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 48.0)
 
 
 def guard_rewards(deployment: Deployment, policy: Policy) -> np.ndarray:
-    """Mean reward at each of GUARD_RATES on seed 004's workload (Poisson, its lengths, one
+    """Mean reward at each of GUARD_RATES on the thesis's workload (Poisson, its lengths, one
     class), without admission control, as its Figure 4 runs: 400 s of arrivals (40 s from 8
     req/s on), from the validation seed, not those the experiments report on."""
     rewards = []

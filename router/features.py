@@ -244,9 +244,9 @@ class FeatureEncoder:
         return budget(request.path, deadline, self.tpot_s, tokens, prompt, elapsed_s)
 
     def _encode_path(self, obs: np.ndarray, request: Request, elapsed_s: float) -> None:
-        # The hot path of every network-aware decision (issue 17 allows it 10 us at p99): the
-        # shares come straight from `router.paths.spent`, not through a `Budget`, and what
-        # `_taken` and `assumed_output_tokens` do is written out.
+        # The hot path of every network-aware decision (which may cost at most 10 us more than a
+        # network-blind one at p99): the shares come straight from `router.paths.spent`, not
+        # through a `Budget`, and what `_taken` and `assumed_output_tokens` do is written out.
         deadline = self.deadlines.get(request.qos_class, math.inf)  # type: ignore[union-attr]
         tokens = request.max_tokens
         tokens = OUTPUT_TOKENS_WITHOUT_MAX if tokens is None else max(1, tokens)

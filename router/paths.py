@@ -368,10 +368,10 @@ _UP_BITS_PER_TOKEN = PROMPT_BYTES_PER_TOKEN * 8
 def _expected(
     estimate: PathEstimate, prompt_tokens: int, tokens: int, step_s: float
 ) -> tuple[float, float, float]:
-    """`expected_network` in closed form, as plain floats: the router computes it for every
-    request it routes, within a decision's few tens of microseconds (issue 17 allows it 10 us
-    at p99), so it is written out here rather than through the sampler's helpers, with the
-    packet sizes folded into module constants."""
+    """`expected_network` in closed form, as plain floats: the router computes it for every request
+    it routes, within a decision's few tens of microseconds (a network-aware decision may cost at
+    most 10 us more than a network-blind one at p99), so it is written out here rather than through
+    the sampler's helpers, with the packet sizes folded into module constants."""
     rtt, rttvar, p, rate = estimate
     half = rtt / 2
     if rate:

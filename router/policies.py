@@ -18,7 +18,7 @@ import numpy as np
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.action_features import IN_TIME, ActionFeatures
 from router.features import Encoder, FeatureEncoder
-from router.prefix import ModelThenReplica, PrefixAffinity, PrefixHash, PrefixIndex
+from router.prefix import PrefixAffinity, PrefixHash, PrefixIndex
 from router.view import ClusterView
 from workloads import Request
 
@@ -44,7 +44,7 @@ def _least_loaded(view: ClusterView, model: str | None = None) -> int:
 
 
 class Static:
-    """Every request to one model (its least-loaded replica): seed 004's baselines."""
+    """Every request to one model (its least-loaded replica): the baselines of Chuppala (2024)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -393,6 +393,23 @@ def _static(deployment: Deployment) -> Static:
     return Static(model)
 
 
+class ModelThenReplica:
+    """The learned router chooses the model; a prefix policy chooses that model's replica."""
+
+    def __init__(self, model_policy: Policy, replica_policy: Policy) -> None:
+        self.model_policy = model_policy
+        self.replica_policy = replica_policy
+        self.encoder = getattr(model_policy, "encoder", None)
+        """The model policy's observation layout, where it brings one (a trained DQN)."""
+
+    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
+        model = view.replicas[self.model_policy.choose(obs, request, view)].model
+        if isinstance(self.replica_policy, PrefixAffinity | PrefixHash):
+            return self.replica_policy.choose(obs, request, view, model)
+        only = view.only([r.model == model for r in view.replicas])
+        return self.replica_policy.choose(obs, request, only)
+
+
 PolicyFactory = Callable[[Deployment], Policy]
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -429,7 +446,7 @@ def approximate_index(deployment: Deployment) -> PrefixIndex:
 
 def make_policy(deployment: Deployment, name: str | None = None) -> Policy:
     """The policy `name` (default: the deployment's); "A+B": A chooses the model, B that
-    model's replica (`router.prefix.ModelThenReplica`), e.g. "dqn+prefix-precise"."""
+    model's replica (`ModelThenReplica`), e.g. "dqn+prefix-precise"."""
     name = name or deployment.policy.name
     first, plus, second = name.partition("+")
     if plus:

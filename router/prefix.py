@@ -1,8 +1,8 @@
 """Prefix-aware routing: send a request where its prompt's KV cache already is.
 
 Three ways to know where that is, each behind the `Policy` interface:
-- `PrefixHash`: KubeAI's consistent hashing with bounded loads (seed 003). It never knows; it
-  sends every request of a conversation to one place, so that the cache builds up there.
+- `PrefixHash`: KubeAI's consistent hashing with bounded loads. It never knows; it sends every
+  request of a conversation to one place, so that the cache builds up there.
 - `PrefixAffinity` with an approximate `PrefixIndex`, kept from the router's own decisions: a
   request's blocks are taken to be cached where it was sent (SGLang's and vllm-router's
   `cache_aware`, the vLLM production stack's prefix router), and forgotten least recently used
@@ -17,7 +17,8 @@ load_factor), over the replicas of the request's model.
 
 Where the request may go to several models, these policies do not choose among them: they take
 the best model for its task that it may use, as a client that names a model would. With the
-learned router, the DQN chooses the model and one of these the replica (`ModelThenReplica`).
+learned router, the DQN chooses the model and one of these the replica
+(`router.policies.ModelThenReplica`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -34,9 +34,6 @@ import xxhash
 from router.kv_cache import REMOVED
 from router.view import ClusterView
 from workloads import Request, TokenIds
-
-if TYPE_CHECKING:
-    from router.policies import Policy
 
 Quality = Mapping[str, Mapping[str, float]]
 """task -> model -> quality."""
@@ -65,7 +62,7 @@ def within_bound(view: ClusterView, model: str, load_factor: float) -> tuple[lis
 
 
 class PrefixHash:
-    """KubeAI's PrefixHash (seed 003): consistent hashing with bounded loads (Mirrokni et al.),
+    """KubeAI's PrefixHash: consistent hashing with bounded loads (Mirrokni et al.),
     one ring per model.
 
     The key is the first `prefix_chars` characters of the first user message, so every turn of a
@@ -249,20 +246,3 @@ class PrefixAffinity:
         elif blocks:  # what neither the engine nor an earlier sending holds yet
             self.pending.routed(best, blocks[depth[best] :])
         return best
-
-
-class ModelThenReplica:
-    """The learned router chooses the model; a prefix policy chooses that model's replica."""
-
-    def __init__(self, model_policy: Policy, replica_policy: Policy) -> None:
-        self.model_policy = model_policy
-        self.replica_policy = replica_policy
-        self.encoder = getattr(model_policy, "encoder", None)
-        """The model policy's observation layout, where it brings one (a trained DQN)."""
-
-    def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
-        model = view.replicas[self.model_policy.choose(obs, request, view)].model
-        if isinstance(self.replica_policy, PrefixAffinity | PrefixHash):
-            return self.replica_policy.choose(obs, request, view, model)
-        only = view.only([r.model == model for r in view.replicas])
-        return self.replica_policy.choose(obs, request, only)

@@ -13,7 +13,7 @@ only where admission control rules them out.
 Every `--eval-every` steps the greedy network is validated on a grid of the training
 distributions by rate under each admission rule (`router.evaluate.grid_reward`, workloads drawn
 from their own seeds); the best of them, among those that keep to `--guard`, is saved to `--out`
-(default router/policies/<deployment>.npz). Under `--logdir` (default results/router/<deployment>/):
+(default router/trained/<deployment>.npz). Under `--logdir` (default results/router/<deployment>/):
 each validated network (checkpoints/step-<N>.npz, which `--pick-best` validates again), the
 newest training state with its replay buffer (checkpoints/state.pt, which `--resume` goes on
 from), and the learning curve (learning-curve.json and .png).
@@ -194,10 +194,10 @@ class Validation:
         """`simulators()`: each validation's simulators, the same sequence every time (default:
         the deployment's, with exact views); `lengths`: the request lengths training draws
         from, validated on a grid of them by rate (`router.evaluate.grid_reward`; none: six
-        episodes of seed 004's lengths at random rates); `admission_rules`: those training
-        draws from, the validation run under each (none: the deployment's); `guard`: a policy
-        the one picked must not fall behind on seed 004's workload by more than GUARD_MARGIN,
-        where any checkpoint keeps to that (`guard_rewards`)."""
+        episodes of the lengths of Chuppala (2024) at random rates); `admission_rules`: those
+        training draws from, the validation run under each (none: the deployment's); `guard`: a
+        policy the one picked must not fall behind on the thesis's workload by more than
+        GUARD_MARGIN, where any checkpoint keeps to that (`guard_rewards`)."""
         self.deployment = deployment
         self.simulators = simulators
         self.lengths = tuple(lengths)
@@ -206,7 +206,7 @@ class Validation:
         self._guarded = guard_rewards(deployment, guard) if guard is not None else None
         self.evaluations: list[tuple[int, float]] = []
         self.margins: list[tuple[int, float]] = []
-        """Per validated step, its worst margin over the guard on seed 004's workload."""
+        """Per validated step, its worst margin over the guard on the thesis's workload."""
         self.best: tuple[float, int, DqnPolicy] | None = None
         self._best_any: tuple[float, int, DqnPolicy] | None = None
 
@@ -530,7 +530,7 @@ def _meta(
             "context": deployment.max_model_len,
             "admission": args.admission_rules or [deployment.admission.rule],
             "lengths": {d.name: d.describe() for d in named(args.lengths)}
-            or {"seed": "seed 004's (no --lengths)"},
+            or {"seed": "those of Chuppala (2024) (no --lengths)"},
         },
     }
 
@@ -608,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[d.name for d in TRAINING],
         metavar="NAMES",
         help="request length distributions, one drawn per episode (workloads.lengths; default: "
-        f"{','.join(d.name for d in TRAINING)}); an empty string: seed 004's alone, as before",
+        f"{','.join(d.name for d in TRAINING)}); an empty string: those of Chuppala (2024) alone, "
+        "as before",
     )
     parser.add_argument(
         "--admission-rules",
@@ -620,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--min-rate", type=float, default=0.25)
     parser.add_argument("--max-rate", type=float, default=48.0)
-    parser.add_argument("--out", type=Path, help="default: router/policies/<deployment>.npz")
+    parser.add_argument("--out", type=Path, help="default: router/trained/<deployment>.npz")
     parser.add_argument("--logdir", type=Path, help="default: results/router/<deployment>")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument(
@@ -653,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="NPZ",
         help="pick the best validated network among those that do not fall behind "
-        f"this policy by more than {GUARD_MARGIN} on seed 004's workload at any rate "
+        f"this policy by more than {GUARD_MARGIN} on the workload of Chuppala (2024) at any rate "
         "(router.evaluate.guard_rewards): the one a new policy replaces",
     )
     parser.add_argument(
@@ -686,7 +687,7 @@ def main() -> int:
         parser.error("--action replica: the per-action layout's actions are the models")
     package = Path(__file__).resolve().parent
     name = deployment.name + ("-net" if deployment.paths is not None else "")
-    args.out = args.out or package / "policies" / f"{name}.npz"
+    args.out = args.out or package / "trained" / f"{name}.npz"
     args.logdir = args.logdir or Path("results") / "router" / name
     policy = pick_checkpoint(args, deployment) if args.pick_best else train(args, deployment)
     print(

@@ -13,6 +13,7 @@ from pathlib import Path
 from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
+from serving.metrics import count_lost
 from serving.shared_view import SharedView
 from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
@@ -132,12 +133,23 @@ def main() -> int:
     return 0
 
 
+def _forget(view: SharedView, index: int, pid: int) -> None:
+    """Worker `index` (process `pid`) died: what it held leaves the shared view, the requests
+    it held open count as ended with it, and its live gauges leave /metrics. Its counters stay:
+    what it served was served."""
+    from prometheus_client import multiprocess
+
+    count_lost(view.metrics, pid, view.clear(index))
+    multiprocess.mark_process_dead(pid, str(view.metrics))
+
+
 def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen) -> int:
     """Run the workers (and the engine host, for engines that are not remote) until stopped."""
     view = SharedView.create(deployment, args.workers)
     argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
     argv += ["--shared-view", str(view.folder)]
     env = {"PROMETHEUS_MULTIPROC_DIR": str(view.metrics)}
+    forget = partial(_forget, view)
     try:
         if not deployment.remote:  # else every worker is a client of the servers themselves
             host = ["--config", args.config, "--log-level", args.log_level]
@@ -145,8 +157,8 @@ def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen)
             host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
             with hosted(host) as link:
                 argv += ["--engine-host", link]
-                return supervise("serving", argv, listen, args.workers, view.clear, env)
-        return supervise("serving", argv, listen, args.workers, view.clear, env)
+                return supervise("serving", argv, listen, args.workers, forget, env)
+        return supervise("serving", argv, listen, args.workers, forget, env)
     finally:
         view.close(remove=True)
 

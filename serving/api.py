@@ -1,13 +1,15 @@
-"""The OpenAI-compatible HTTP API. Routes parse, call the gateway, and format; nothing more.
+"""The OpenAI-compatible HTTP API: its routes, the responses they send, and its error handlers.
+Routes parse, call the gateway, and answer (in the shapes of `serving.render`); nothing more.
 
 It knows the gateway's interface only: not the policy, the engines or the transport underneath.
+Its middleware (`serving.middleware`) runs before it, and the request bodies are those of
+`serving.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -19,24 +21,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from serving import outcomes
-from serving.engines.base import TokenDelta, TokenLogprob
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
-from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.metrics import Metrics
-from serving.outcomes import RequestRecord
-from serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    asked_for,
-)
+from serving.middleware import record_of, request_tag
+from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from serving.render import Answer, Shape, error, error_response, served_by
 from transport.drain import Drain
 from transport.http3 import ResponseNotDelivered
-from transport.qos import DEADLINE, QosRejected, RequestTag, path_of, tag_of
+from transport.qos import DEADLINE, QosRejected, path_of
 from workloads import Message, TokenIds
 from workloads import Request as LlmRequest
 
@@ -119,119 +114,6 @@ def create_app(
     return app
 
 
-PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
-"""Served as usual while the server stops: they start no work, and /readyz says it is stopping."""
-
-
-def stopping_drain(metrics: Metrics) -> Drain:
-    """The server's stop (`transport.drain`) in OpenAI's shapes, counted in `metrics`: a request
-    refused while draining gets a 503 with code `shutting_down` and counts as draining; an event
-    stream cut at the end of the drain ends with an error event and [DONE], as a stream whose
-    engine fails does, and counts as stopped."""
-    message = "The server is shutting down and takes no new requests; retry elsewhere."
-    refusal = json.dumps(_error_body(503, message, "shutting_down")).encode()
-    cut = _event(
-        _error_body(503, "The server stopped before this response was complete.", "shutting_down")
-    )
-    tail = f"{cut}data: [DONE]\n\n".encode()
-
-    def on_refuse(scope: Scope) -> None:
-        if tag_of(scope) is not None:  # every request is tagged before the gate (build_app)
-            metrics.rejected(outcomes.DRAINING, record_of(scope))
-
-    def on_cut(scope: Scope) -> None:
-        tag = tag_of(scope)
-        if tag is not None:
-            metrics.cut(tag.request_id)
-
-    return Drain(
-        refusal=lambda scope: (b"application/json", refusal),
-        cut_tail=lambda scope, content_type: (
-            tail if content_type.startswith(b"text/event-stream") else None
-        ),
-        on_refuse=on_refuse,
-        on_cut=on_cut,
-        admit=lambda scope: scope["method"] in ("GET", "HEAD") and scope["path"] in PROBES,
-    )
-
-
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-class ShedAtTheDoor:
-    """ASGI middleware: a request for generation that admission control would shed is answered
-    429 `overloaded` before the API's handler parses it (`Gateway.turn_away`). It reads the
-    body (already capped by `BodyLimit`) and hands it on to the app unchanged."""
-
-    def __init__(self, app: Any, gateway: Gateway) -> None:
-        self.app = app
-        self.gateway = gateway
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tag = tag_of(scope)
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in GENERATION_PATHS
-            or tag is None
-            or tag.qos_class is None
-        ):
-            await self.app(scope, receive, send)
-            return
-        body, ended = b"", False
-        while not ended:
-            message = await receive()
-            if message["type"] != "http.request":  # gone before the body came
-                await self.app(scope, _replay(message, receive), send)
-                return
-            body += message.get("body", b"")
-            ended = not message.get("more_body", False)
-        try:
-            model, max_tokens = asked_for(json.loads(body))
-        # Not JSON, not UTF-8, or nested past the parser's recursion limit: the handler says
-        # so (400).
-        except (ValueError, RecursionError):
-            model, max_tokens = AUTO, None
-        overloaded = self.gateway.turn_away(record_of(scope), model, max_tokens)
-        if overloaded is not None:
-            await _error_response(overloaded)(scope, receive, send)
-            return
-        whole = {"type": "http.request", "body": body, "more_body": False}
-        await self.app(scope, _replay(whole, receive), send)
-
-
-def _replay(first: AsgiMessage, receive: Receive) -> Receive:
-    """`receive`, giving `first` before anything else."""
-    pending = [first]
-
-    async def replayed() -> AsgiMessage:
-        return pending.pop() if pending else await receive()
-
-    return replayed
-
-
-def record_of(scope: Scope) -> RequestRecord:
-    """A request's account as it reached the app: its tag, and the protocol it came over."""
-    tag = _tag(scope)
-    path = path_of(scope)
-    return RequestRecord(
-        tag.request_id,
-        tag.qos_class,
-        tag.arrival,
-        tier=tag.tier,
-        via_edge=tag.via_edge,
-        protocol=scope.get("http_version"),
-        client_rtt_s=None if path is None else round(path.rtt_s, 6),
-        client_loss=None if path is None else round(path.loss, 6),
-    )
-
-
-def _tag(scope: Scope) -> RequestTag:
-    tag = tag_of(scope)
-    assert tag is not None, "TagRequests tags every HTTP request"
-    return tag
-
-
 async def _serve(
     gateway: Gateway,
     body: GenerateRequest,
@@ -243,7 +125,7 @@ async def _serve(
         raw.receive, _start(gateway, body, prompt, raw, chat), abandon=lambda g: g.aclose()
     )
     headers = _headers([generation], raw)
-    shape = _Shape(generation, chat, body.top_logprobs_asked, body.echoes)
+    shape = Shape(generation, chat, body.top_logprobs_asked, body.echoes)
     if body.stream:
         return GenerationStream(generation, shape.sse(body.include_usage), headers)
     answer = (await _complete([generation], raw.receive))[0]
@@ -258,7 +140,7 @@ async def _serve_batch(
     one choice per prompt. If any fails, the others are aborted and the error is the answer."""
     starts = [_start(gateway, body, prompt, raw, False, i) for i, prompt in enumerate(prompts)]
     generations = await _unless_disconnected(raw.receive, _all_started(starts))
-    shapes = [_Shape(g, False, body.top_logprobs_asked, body.echoes) for g in generations]
+    shapes = [Shape(g, False, body.top_logprobs_asked, body.echoes) for g in generations]
     answers = await _complete(generations, raw.receive)
     choices = [
         shape.choice(answer, i)
@@ -266,7 +148,7 @@ async def _serve_batch(
     ]
     return WholeAnswer(
         generations,
-        shapes[0].batch(f"cmpl-{_tag(raw.scope).request_id}", generations, choices),
+        shapes[0].batch(f"cmpl-{request_tag(raw.scope).request_id}", generations, choices),
         _headers(generations, raw),
     )
 
@@ -280,7 +162,7 @@ async def _start(
     index: int | None = None,
 ) -> Generation:
     """Dispatch one prompt and wait for its first token; `index`: its place in a batch."""
-    tag = _tag(raw.scope)
+    tag = request_tag(raw.scope)
     if tag.rejected is not None:
         raise tag.rejected
     assert tag.qos_class is not None
@@ -319,170 +201,10 @@ async def _all_started(starts: Sequence[Awaitable[Generation]]) -> list[Generati
         raise
 
 
-def _served_by(generations: list[Generation]) -> tuple[str, str]:
-    """The models and the replicas that served, each once, in order, comma-separated."""
-    models = ",".join(dict.fromkeys(g.model for g in generations))
-    return models, ",".join(dict.fromkeys(g.replica.name for g in generations))
-
-
 def _headers(generations: list[Generation], raw: Request) -> dict[str, str]:
-    model, replica = _served_by(generations)
-    return {"x-model": model, "x-replica": replica, "x-qos-class": _tag(raw.scope).qos_class or ""}
-
-
-@dataclasses.dataclass
-class _Answer:
-    """A generation's whole output, as its deltas brought it."""
-
-    text: str = ""
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-
-    def add(self, delta: TokenDelta) -> None:
-        # An echoed prompt comes with the first delta, before its tokens.
-        self.text += (delta.prompt_text or "") + delta.text
-        self.logprobs += [*(delta.prompt_logprobs or ()), *delta.logprobs]
-
-
-class _Shape:
-    """OpenAI's response shapes for one generation: chat or text completion, chunk or whole.
-    `logprobs`: how many alternatives each token shows (None: no logprobs); `echo`: the
-    prompt goes first."""
-
-    def __init__(
-        self, generation: Generation, chat: bool, logprobs: int | None = None, echo: bool = False
-    ) -> None:
-        self.generation = generation
-        self.chat = chat
-        self.logprobs = logprobs
-        self.echo = echo
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        g = self.generation
-        return {
-            "id": g.request.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": g.model,
-            "replica": g.replica.name,
-            "choices": choices,
-        }
-
-    def _logprobs(self, entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
-        if self.logprobs is None:
-            return None
-        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
-
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None,
-        first: bool,
-        logprobs: Sequence[TokenLogprob] = (),
-        offset: int = 0,
-    ) -> dict[str, Any]:
-        lp = self._logprobs(logprobs, offset)
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
-
-    def choice(self, answer: _Answer, index: int = 0) -> dict[str, Any]:
-        g = self.generation
-        lp = self._logprobs(answer.logprobs, 0)
-        if self.chat:
-            message = {"role": "assistant", "content": answer.text}
-            return {
-                "index": index,
-                "message": message,
-                "logprobs": lp,
-                "finish_reason": g.finish_reason,
-            }
-        return {
-            "index": index,
-            "text": answer.text,
-            "logprobs": lp,
-            "finish_reason": g.finish_reason,
-        }
-
-    def whole(self, answer: _Answer) -> dict[str, Any]:
-        body = self._envelope(
-            "chat.completion" if self.chat else "text_completion", [self.choice(answer)]
-        )
-        body["usage"] = self.usage()
-        return body
-
-    def batch(
-        self, request_id: str, generations: list[Generation], choices: list[dict[str, Any]]
-    ) -> dict[str, Any]:
-        """One completion for a batch of prompts: its id is the HTTP request's."""
-        body = self._envelope("text_completion", choices)
-        body["id"] = request_id
-        body["model"], body["replica"] = _served_by(generations)
-        prompt = sum(g.prompt_tokens for g in generations)
-        completion = sum(g.completion_tokens for g in generations)
-        body["usage"] = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-        return body
-
-    def usage(self) -> dict[str, int]:
-        g = self.generation
-        return {
-            "prompt_tokens": g.prompt_tokens,
-            "completion_tokens": g.completion_tokens,
-            "total_tokens": g.prompt_tokens + g.completion_tokens,
-        }
-
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
-        # The chunks between the first (which names the role) and the last (its finish reason)
-        # differ only in their text: the chunk is rendered once around a placeholder and only
-        # the text is encoded per event, to the same bytes. Rendering the whole chunk was the
-        # largest share of the HTTP/1.1 server's CPU per event (12%, profiled by
-        # benchmarks.frontend_capacity --profile). The text is the last string in the chunk,
-        # after the request id, which a client may choose. Chunks with logprobs differ in more.
-        head, _, tail = _event(self.chunk(_SLOT, None, False)).rpartition(_SLOT_JSON)
-        first = True
-        offset = 0  # where the chunk's text starts in the whole answer's
-        try:
-            async for delta in self.generation:
-                if first or delta.finish_reason is not None or self.logprobs is not None:
-                    answer = _Answer()
-                    answer.add(delta)
-                    yield _event(
-                        self.chunk(answer.text, delta.finish_reason, first, answer.logprobs, offset)
-                    )
-                    offset += len(answer.text)
-                else:
-                    yield head + json.dumps(delta.text) + tail
-                first = False
-            if include_usage:
-                usage_chunk = self._envelope(
-                    "chat.completion.chunk" if self.chat else "text_completion", []
-                )
-                usage_chunk["usage"] = self.usage()
-                yield _event(usage_chunk)
-        except GatewayError as exc:
-            # Headers are gone; the error travels as an event the OpenAI client raises on.
-            yield _event(_error_body(exc.status, exc.message, exc.code, exc.param))
-        except Exception:
-            log.exception("unexpected error while streaming %s", self.generation.request.request_id)
-            yield _event(
-                _error_body(500, "Internal server error; see the server log.", "internal_error")
-            )
-        yield "data: [DONE]\n\n"
-
-
-_SLOT = "\x00"
-_SLOT_JSON = json.dumps(_SLOT)
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    model, replica = served_by(generations)
+    qos_class = request_tag(raw.scope).qos_class or ""
+    return {"x-model": model, "x-replica": replica, "x-qos-class": qos_class}
 
 
 class GenerationStream(StreamingResponse):
@@ -542,12 +264,12 @@ class WholeAnswer(JSONResponse):
                     await generation.aclose()
 
 
-async def _complete(generations: list[Generation], receive: Receive) -> list[_Answer]:
+async def _complete(generations: list[Generation], receive: Receive) -> list[Answer]:
     """The generations' whole outputs, unless the client disconnects or one fails first; then
     every one is aborted. They stay open for `WholeAnswer` to send."""
-    answers = [_Answer() for _ in generations]
+    answers = [Answer() for _ in generations]
 
-    async def collect(generation: Generation, answer: _Answer) -> None:
+    async def collect(generation: Generation, answer: Answer) -> None:
         async for delta in generation:
             answer.add(delta)
 
@@ -599,26 +321,11 @@ async def _unless_disconnected(
     raise ClientGone()
 
 
-def _error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
-    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _error(status: int, message: str, code: str | None, param: str | None = None) -> JSONResponse:
-    return JSONResponse(_error_body(status, message, code, param), status_code=status)
-
-
-def _error_response(exc: GatewayError) -> JSONResponse:
-    response = _error(exc.status, exc.message, exc.code, exc.param)
-    response.headers.update(exc.headers)
-    return response
-
-
 def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     # GatewayErrors are counted where they happen; these are refused before the gateway sees them.
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(QosRejected)
     async def qos_rejected(raw: Request, exc: QosRejected) -> JSONResponse:
@@ -626,7 +333,7 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             outcomes.INVALID if exc.status == 400 else outcomes.REFUSED, record_of(raw.scope)
         )
         codes = {401: "invalid_api_key", 403: "qos_class_not_granted"}
-        return _error(exc.status, exc.message, codes.get(exc.status, "invalid_qos_class"))
+        return error(exc.status, exc.message, codes.get(exc.status, "invalid_qos_class"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(raw: Request, exc: RequestValidationError) -> JSONResponse:
@@ -634,11 +341,11 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
-            return _error(400, f"The body is not valid JSON: {first.get('msg')}.", "invalid_json")
+            return error(400, f"The body is not valid JSON: {first.get('msg')}.", "invalid_json")
         field = ".".join(loc) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         where = field or "the request body (a JSON object)"
-        return _error(400, f"{where}: {message}", "invalid_value", field)
+        return error(400, f"{where}: {message}", "invalid_value", field)
 
     @app.exception_handler(HTTPException)
     async def http_error(raw: Request, exc: HTTPException) -> JSONResponse:
@@ -649,8 +356,8 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             # over the limit, which BodyLimit counted as it refused it, or a client gone.)
             metrics.rejected(outcomes.INVALID, record_of(raw.scope))
             message = "The body is not valid JSON: it must be UTF-8, and not nested that deep."
-            return _error(400, message, "invalid_json")
-        return _error(exc.status_code, str(exc.detail), None)
+            return error(400, message, "invalid_json")
+        return error(exc.status_code, str(exc.detail), None)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
@@ -665,4 +372,4 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             log.info("answer not delivered: %s", exc)
             return Response(status_code=499)
         log.exception("unexpected error")
-        return _error(500, "Internal server error; see the server log.", "internal_error")
+        return error(500, "Internal server error; see the server log.", "internal_error")

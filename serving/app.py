@@ -13,11 +13,12 @@ from fastapi import FastAPI
 from config import Deployment
 from router.policies import make_policy
 from router.prefix import PrefixAffinity
-from serving.api import ShedAtTheDoor, create_app, record_of, stopping_drain
+from serving.api import create_app
 from serving.engines.kv_events import Rehasher, subscribe
 from serving.engines.prompts import gateway_counter
 from serving.gateway import Gateway
 from serving.metrics import Metrics
+from serving.middleware import ShedAtTheDoor, record_of, stopping_drain
 from serving.outcomes import INVALID
 from serving.pages import add_pages
 from serving.peers import Peers

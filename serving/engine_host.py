@@ -1,5 +1,5 @@
 """`python -m serving.engine_host --deployment embedded-sim --socket PATH`: a deployment's engines
-in a process of their own, served over the engine link (`serving.engines.link`) to every
+in a process of their own, served over the engine link (`serving.engines.engine_link`) to every
 front-end worker that connects to PATH. `python -m serving --workers N` starts one for a
 deployment whose engines are not remote; it is seldom run by hand.
 
@@ -32,7 +32,7 @@ from typing import Any
 from config import ConfigError, load_deployment
 from config.deployment import DEFAULT_PATH
 from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling
-from serving.engines.link import LOAD_REPORT_S, FrameReader, delta_row, frame
+from serving.engines.engine_link import LOAD_REPORT_S, FrameReader, delta_row, frame
 from serving.replicas import Replica, ReplicaSet
 from transport.workers import die_with_parent
 from workloads.request import request_from_row

@@ -165,10 +165,10 @@ class Gateway:
         budget for both halves; the transport never lets it move earlier than the class's own).
 
         `sheddable=False`: a prompt of a batch, which the door admitted with its batch
-        (`serving.api.ShedAtTheDoor`, once per HTTP request). It is routed where admission control
-        would send it, but not refused for the time its own siblings, sent together with it,
-        take: an lm-eval batch of 16 one-token prompts was shed on an idle server, each prompt
-        judged against the 40 ms one token's SLO allows with the other 15 ahead of it.
+        (`serving.middleware.ShedAtTheDoor`, once per HTTP request). It is routed where
+        admission control would send it, but not refused for the time its own siblings, sent
+        together with it, take: an lm-eval batch of 16 one-token prompts was shed on an idle server,
+        each prompt judged against the 40 ms one token's SLO allows with the other 15 ahead of it.
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
         that turns out to be down before producing anything is skipped, and the next choice tried.
@@ -246,12 +246,11 @@ class Gateway:
         self, record: RequestRecord, model: str, max_tokens: int | None
     ) -> Overloaded | None:
         """Admission control at the door, before the API's handler parses and validates the
-        request (`serving.api.ShedAtTheDoor`), with what `start` would decide from its class,
-        arrival, model and length. Under overload most requests end here, and a refusal that
-        never reaches the handler (pydantic, the exception handlers, the tasks that watch the
-        client) costs the server about half the CPU: 300 against 570 us a request, measured on
-        this 2-core machine. That is what keeps shed answers quick, and leaves the front-end's
-        core to the requests it lets in.
+        request (`serving.middleware.ShedAtTheDoor`), with what `start` would decide from its
+        class, arrival, model and length. Under overload most requests end here, and a refusal
+        that never reaches the handler (pydantic, the exception handlers, the tasks that watch
+        the client) costs the server about half the CPU (docs/results/overload.md). That is what
+        keeps shed answers quick, and leaves the front-end's core to the requests it lets in.
 
         Returns the error to answer with, counted; None lets the request in, to be checked
         again by `start`. A request past its deadline, for a model that is not here, or that

@@ -52,8 +52,8 @@ StopText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 def asked_for(body: object) -> tuple[str, int | None]:
     """The model and the answer's length (max_tokens) that a body asks for, read without
     validating it, as these models would read them: what admission control needs to shed a
-    request before it is parsed (`serving.api.ShedAtTheDoor`). Values of the wrong type read as
-    absent; validation refuses them later, if the request gets that far."""
+    request before it is parsed (`serving.middleware.ShedAtTheDoor`). Values of the wrong type
+    read as absent; validation refuses them later, if the request gets that far."""
     if not isinstance(body, dict):
         return "auto", None
     model = body.get("model", "auto")

@@ -179,7 +179,7 @@ class ReplicaSet:
         """The deployment's replicas, with engines of their kind; or, with `engine_host`, each
         engine reached over the engine link at that path (`serving.engine_host` runs them)."""
         if engine_host is not None:
-            from serving.engines.link import EngineLink, LinkedEngine
+            from serving.engines.engine_link import EngineLink, LinkedEngine
 
             link = EngineLink(engine_host)
             # Brought back as a remote server is: reconnecting is cheap, the engines' own

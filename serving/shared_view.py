@@ -170,22 +170,17 @@ class SharedView:
     def socket(self, index: int) -> Path:
         return self.folder / f"worker-{index}.sock"
 
-    def clear(self, index: int, pid: int) -> None:
-        """Forget what worker `index` (process `pid`), now dead, held: its arrivals leave the
-        estimate (as they would have within the horizon anyway), its requests leave the
-        replicas' counts and its keys' in-flight counts, its live gauges leave /metrics. Its
-        counters stay: what it served was served. The requests it held open are counted as
-        ended with it (`serving.metrics.count_lost`)."""
-        from prometheus_client import multiprocess
-
-        from serving.metrics import count_lost
-
+    def clear(self, index: int) -> dict[str, int]:
+        """Forget what worker `index`, now dead, held: its arrivals leave the estimate (as they
+        would have within the horizon anyway), its requests leave the replicas' counts and its
+        keys' in-flight counts. Returns how many requests of each class it held open, for the
+        supervisor to count as ended with it (`serving.metrics.count_lost`): this module
+        keeps the shared rows, and knows nothing of /metrics."""
         lost = dict(zip(self.classes, self.rows.open(index), strict=True))
-        count_lost(self.metrics, pid, lost)
         self.rows.clear(index)
         self.keys.clear(index)
-        multiprocess.mark_process_dead(pid, str(self.metrics))
         self.socket(index).unlink(missing_ok=True)
+        return lost
 
     def close(self, remove: bool = False) -> None:
         self.rows.close()

@@ -12,8 +12,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -186,6 +187,23 @@ class Server(Launched):
         return 0.0
 
 
+TIERS = ("vllm", "twin", "netns", "browser")
+"""The markers that place a test in a tier (pyproject.toml): a test that starts a server has one."""
+
+_running: pytest.Item | None = None
+"""The test being set up, run or torn down (None between tests)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    global _running
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
 def launch(
     name: str,
     args: list[str],
@@ -195,6 +213,15 @@ def launch(
     env: dict[str, str] | None = None,
     h3_port: int | None = None,
 ) -> Server:
+    """Start a server for a test. Refused for a test in no tier: a fixture that starts a server
+    declares what it starts (`@starts`), so that the fast tier's `-m` sees it; a test that
+    starts one itself carries the marker."""
+    item = _running
+    in_a_test = item is not None and threading.current_thread() is threading.main_thread()
+    if item is not None and in_a_test and not any(item.get_closest_marker(t) for t in TIERS):
+        pytest.fail(f"{item.nodeid} starts {name!r} but has none of the markers {TIERS}: "
+                    "give the fixture that starts it @starts(...), or the test the marker",
+                    pytrace=False)  # fmt: skip
     started = start_server(name, args, port, health_path, log_dir / f"{name}.log", env, h3_port)
     return Server(**vars(started))
 
@@ -471,8 +498,9 @@ def null_server(session_dir: Path) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 @starts("twin")
 def paper_twin(session_dir: Path) -> Iterator[Server]:
-    """`python -m serving --deployment paper-4gpu-sim` on the shipped models.yaml: the seed's
-    twelve replicas on simulated engines, whose models are not the default deployment's."""
+    """`python -m serving --deployment paper-4gpu-sim` on the shipped models.yaml: the
+    twelve replicas of Chuppala (2024) on simulated engines, whose models are not the default
+    deployment's."""
     port, h3_port = free_port(), free_udp_port()
     command = serving_command(ROOT / "models.yaml", "paper-4gpu-sim", port, "--h3-port",
                               str(h3_port))  # fmt: skip
@@ -537,6 +565,7 @@ def quic_pair(scheduler: str = "fcfs") -> tuple[ScheduledQuicConnection, Schedul
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A `vllm serve`-shaped null upstream serving `up` (`workloads.null_server`): first token at
     20 ms, then one every 10 ms."""

@@ -109,9 +109,9 @@ def _stale() -> dict:
 
 
 def _prefix_closed_loop() -> dict:
-    """Seed 003's deployment (prefix caching, chunked prefill, no deadlines) in a closed loop,
-    routed by the precise prefix index, which hears every KV event."""
-    deployment = load_deployment(name="seed003-sim")
+    """KubeAI's benchmark deployment (prefix caching, chunked prefill, no deadlines) in a closed
+    loop, routed by the precise prefix index, which hears every KV event."""
+    deployment = load_deployment(name="kubeai-l4-sim")
     rng = np.random.default_rng(3)
     requests = []
     for c in range(150):  # conversations whose turns share a growing prefix of blocks

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from serving.api import _event, _Shape
 from serving.engines.base import TokenDelta
+from serving.render import Shape, event
 from tests.conftest import (
     ENGINE_CORE,
     PREMIUM_KEY,
@@ -417,7 +417,7 @@ def test_oversized_body_is_refused_with_413(server: Server) -> None:
 
 
 class _Replayed:
-    """A finished generation's deltas, for `_Shape` alone (the live tests stream real ones)."""
+    """A finished generation's deltas, for `Shape` alone (the live tests stream real ones)."""
 
     def __init__(self, request_id: str, texts: list[str]) -> None:
         self.request = SimpleNamespace(request_id=request_id)
@@ -439,10 +439,10 @@ async def test_each_event_is_its_chunk_rendered_whole(chat: bool) -> None:
     texts = ["Hi", ' "quoted"', "\\back\\slash", "\x00\n\t", "é ☃ 𝄞", "", "end"]
     for request_id in ["chatcmpl-1", 'a"\\u0000"b', "\x00"]:
         generation = _Replayed(request_id, texts)
-        shape = _Shape(generation, chat)  # type: ignore[arg-type]
+        shape = Shape(generation, chat)  # type: ignore[arg-type]
         events = [e async for e in shape.sse(include_usage=False)]
         whole = [
-            _event(shape.chunk(t, "stop" if i == len(texts) - 1 else None, i == 0))
+            event(shape.chunk(t, "stop" if i == len(texts) - 1 else None, i == 0))
             for i, t in enumerate(texts)
         ]
         assert events == [*whole, "data: [DONE]\n\n"]

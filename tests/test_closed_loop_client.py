@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import PYTHON, ROOT, Server
 from workloads import Request
-from workloads.metrics import Outcome
 from workloads.replay import closed_loop
+from workloads.summary import Outcome
 
 
 def _requests(n: int, sessions: int = 0) -> list[Request]:

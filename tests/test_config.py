@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
+import config.deployment
 from config import ConfigError, deployment_serving, load, load_deployment, resolve
+from config.deployment import RENAMED_DEPLOYMENTS
 from tests.conftest import test_config as write_test_config  # not collected as a test
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +26,7 @@ def test_every_shipped_deployment_resolves() -> None:
     sizes = {name: len(resolve(spec, name, ROOT).replicas) for name in spec.deployments}
     assert sizes == {
         "embedded": 3, "opt-cpu": 3, "paper-4gpu": 12, "remote": 3,
-        "paper-4gpu-sim": 12, "embedded-sim": 3, "seed003-sim": 8,
+        "paper-4gpu-sim": 12, "embedded-sim": 3, "kubeai-l4-sim": 8,
     }  # fmt: skip
 
 
@@ -55,11 +58,11 @@ def test_kv_capacity_is_what_vllm_sizes() -> None:
     embedded = {r.model: r for r in load_deployment(ROOT / "models.yaml", "embedded").replicas}
     assert (embedded["tiny-s"].kv_tokens, embedded["tiny-m"].kv_tokens) == (131_072, 21_760)
     assert embedded["tiny-s"].block_size == 128
-    seed = load_deployment(ROOT / "models.yaml", "seed003-sim").replicas[0]
+    l4 = load_deployment(ROOT / "models.yaml", "kubeai-l4-sim").replicas[0]
     reserved = shipped()["profiles"]["l4-llama-3.1-8b-fp8"]["reserved_gib"]
     room = 0.95 * 22.49 * 2**30 - 8.03e9 * 1.13 - reserved * 2**30
-    assert seed.block_size == 16
-    assert seed.kv_tokens == int(room // (2 * 32 * 8 * 128)) // 16 * 16
+    assert l4.block_size == 16
+    assert l4.kv_tokens == int(room // (2 * 32 * 8 * 128)) // 16 * 16
     # Nothing sizes it: no cache modelled.
     assert all(
         r.kv_tokens is None for r in load_deployment(ROOT / "models.yaml", "remote").replicas
@@ -68,10 +71,35 @@ def test_kv_capacity_is_what_vllm_sizes() -> None:
 
 def test_a_device_share_too_small_for_the_weights_is_refused(tmp_path: Path) -> None:
     spec = shipped()
-    for entry in spec["placements"]["seed003-8xl4"]:
+    for entry in spec["placements"]["kubeai-8xl4"]:
         entry["memory_fraction"] = 0.3
     with pytest.raises(ConfigError, match="holds no KV cache beside"):
-        load_deployment(write(tmp_path, spec), "seed003-sim")
+        load_deployment(write(tmp_path, spec), "kubeai-l4-sim")
+
+
+def test_a_renamed_deployment_still_resolves_under_its_old_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For one release the old name of kubeai-l4-sim gives that deployment, under its new name,
+    and the first use in a process warns that the old name is going."""
+    (old,) = [name for name, new in RENAMED_DEPLOYMENTS.items() if new == "kubeai-l4-sim"]
+    assert old not in shipped()["deployments"]
+    monkeypatch.setattr(config.deployment, "_warned_renamed", set())
+    current = load_deployment(ROOT / "models.yaml", "kubeai-l4-sim")
+    with caplog.at_level(logging.WARNING, logger="config.deployment"):
+        by_old_name = load_deployment(ROOT / "models.yaml", old)
+        again = resolve(load(ROOT / "models.yaml"), old, ROOT)
+    assert by_old_name == current and again == current
+    assert by_old_name.name == "kubeai-l4-sim"
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and old in warned[0] and "deprecated" in warned[0]
+    # A file that still defines the old name gets its own deployment, without a warning.
+    spec = shipped()
+    spec["deployments"][old] = spec["deployments"].pop("kubeai-l4-sim")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="config.deployment"):
+        assert load_deployment(write(tmp_path, spec), old).name == old
+    assert not caplog.records
 
 
 def test_slo_is_40_ms_per_output_token() -> None:
@@ -244,8 +272,8 @@ def test_a_policy_trained_on_another_quality_table_says_it_is_stale(tmp_path: Pa
     from router.policies import DqnPolicy
 
     paper = load_deployment(ROOT / "models.yaml", "paper-4gpu")
-    policy = DqnPolicy.load(ROOT / "router/policies/paper-4gpu.npz")
-    assert policy.stale_quality(paper) is None  # trained on seed 004's Table 1, as shipped
+    policy = DqnPolicy.load(ROOT / "router/trained/paper-4gpu.npz")
+    assert policy.stale_quality(paper) is None  # trained on Table 1 of Chuppala (2024), as shipped
     row = paper.quality["piqa"]
     other = replace(paper, quality={**paper.quality, "piqa": {**row, "opt-125m": 0.5}})
     stale = policy.stale_quality(other)
@@ -261,8 +289,8 @@ def test_the_deployment_a_server_serves_is_found_by_its_models(tmp_path: Path) -
     )
     with pytest.raises(ConfigError, match="serves exactly the models null"):
         deployment_serving(shipped_file, ["null"])
-    # Another deployment of the tiny models that scores them by seed 004's table, not the
-    # measured one: which of the two served cannot be told, so neither is taken.
+    # Another deployment of the tiny models that scores them by Table 1 of Chuppala (2024), not
+    # the measured one: which of the two served cannot be told, so neither is taken.
     seeded = {k: v for k, v in shipped()["deployments"]["embedded"].items() if k != "quality_file"}
     placement = shipped()["placements"]["embedded-cpu"]
     config = write_test_config(tmp_path, **{"embedded-seed": (placement, seeded)})

@@ -25,7 +25,7 @@ from transport.eloquent.wire import (
     Tokens,
     decode_message,
 )
-from workloads.metrics import late_share, stall_ratio
+from workloads.summary import late_share, stall_ratio
 
 ALPHABET = 'abcdefghij klmnop,."\\\n\téß漢字🙂'
 
@@ -443,7 +443,7 @@ def test_malformed_payloads_raise_the_format_error(payload):
 
 
 # --------------------------------------------------------------------------------------------
-# Seed 002's metrics (workloads.metrics)
+# Chatterbox's metrics (workloads.summary)
 
 
 def test_stall_ratio_counts_whole_gaps_above_the_threshold():

@@ -16,7 +16,7 @@ import pytest
 from config import load_deployment
 from serving.engine_host import EngineHost, link_server
 from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
-from serving.engines.link import EngineLink, LinkedEngine
+from serving.engines.engine_link import EngineLink, LinkedEngine
 from serving.launch import ROOT
 from serving.replicas import ReplicaSet
 from workloads import Message, Request

@@ -42,7 +42,7 @@ def test_no_schedule_passes_the_bound(lengths: str, rate: float, rule: str) -> N
     others = [
         _threshold(),
         RandomModel(deployment.models, seed=1),
-        DqnPolicy.load(ROOT / "router/policies/paper-4gpu.npz"),
+        DqnPolicy.load(ROOT / "router/trained/paper-4gpu.npz"),
         *(Static(m) for m in deployment.models),
     ]
     rewards = [

@@ -175,7 +175,7 @@ def test_a_masked_action_is_never_chosen_and_a_request_none_may_take_is_shed() -
     it, the policy sends the request elsewhere, in training and routing alike; where it rules out
     every replica, the request is shed at the door and never reaches the policy."""
     deployment = PAPER.with_admission("deadline")
-    policy = DqnPolicy.load(ROOT / "router/policies/paper-4gpu.npz")
+    policy = DqnPolicy.load(ROOT / "router/trained/paper-4gpu.npz")
     layers = [(w.copy(), b.copy()) for w, b in policy.layers]
     layers[-1][1][2] += 1e6  # OPT-6.7B's action, whatever the rest says
     masked = DqnPolicy(layers, policy.meta | {"masked": True})

@@ -1,6 +1,6 @@
-"""The seed's experiments run live (`--live`): the load generator sends a real server of simulated
-engines the very workload the simulator saw, and the one-model baselines are the client naming
-the model."""
+"""The experiments of Chuppala (2024) run live (`--live`): the load generator sends a real server
+of simulated engines the very workload the simulator saw, and the one-model baselines are the
+client naming the model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from config import DEFAULT_PATH, load_deployment
-from experiments.live import live_policy, run_live
-from experiments.policies import baselines
+from experiments.harness.baselines import baselines
+from experiments.harness.live import live_policy, run_live
 from router.evaluate import simulate
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec

@@ -13,10 +13,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.launch import free_port, launch
-from tests.conftest import PYTHON, Server, wait_until
+from tests.conftest import PYTHON, Server, starts, wait_until
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("null") / "null.log"

@@ -2,8 +2,8 @@
 HTTP/1.1, and who may see the dashboard.
 
 The browser is Debian's headless Chromium, driven by Playwright, with the flags that make it
-speak QUIC to the embedded server under its self-signed certificate (../shared/FACTS.md,
-"Chromium as a real HTTP/3 client"). Where it truly came over HTTP/3 is checked on the server's
+speak QUIC to the embedded server under its self-signed certificate (docs/operations.md,
+"The playground and the dashboard"). Where it truly came over HTTP/3 is checked on the server's
 side: the request log line of the page's chat request names protocol "3".
 """
 

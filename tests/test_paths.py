@@ -35,7 +35,7 @@ def test_the_issues_mix_is_in_models_yaml() -> None:
         (0.001, 1e9, 0.4), (0.06, 2e7, 0.3), (0.1, 5e6, 0.2), (0.4, 2e6, 0.1),
     ]  # fmt: skip
     assert paths["3g"].loss == 0.005 and paths["bad"].bursts is not None
-    # Seed 002's default Gilbert-Elliott chain: 2 bad slots in 12 at 90% loss.
+    # Chatterbox's default Gilbert-Elliott chain: 2 bad slots in 12 at 90% loss.
     assert paths["bad"].mean_loss == pytest.approx(0.15)
 
 
@@ -51,7 +51,7 @@ def test_a_mix_routes_with_the_network_aware_policy_where_there_is_one() -> None
     assert aware.with_paths("mixed", MIX).policy_file == "/p/net.npz"
     # paper-4gpu names the shipped one; a deployment that names none keeps its own.
     assert PAPER_MIXED.policy_file is not None
-    assert PAPER_MIXED.policy_file.endswith("router/policies/paper-4gpu-net.npz")
+    assert PAPER_MIXED.policy_file.endswith("router/trained/paper-4gpu-net.npz")
     embedded = load_deployment(name="embedded", paths="mixed")
     assert embedded.policy.net_path is None and embedded.policy_file == embedded.policy.path
 
@@ -196,7 +196,7 @@ def test_a_network_aware_policy_starts_from_the_blind_one() -> None:
     from router.train import Trainer, export, start_from
 
     # One that reads lengths, as the deployment's layout does: only the path is new to it.
-    blind = DqnPolicy.load(Path(__file__).parent.parent / "router/policies/paper-4gpu-lengths.npz")
+    blind = DqnPolicy.load(Path(__file__).parent.parent / "router/trained/paper-4gpu-lengths.npz")
     env = RoutingEnv(PAPER_MIXED, credit="request")
     hyper = Hyperparameters(learning_starts=64, train_freq=1)
     trainer = Trainer(env, hyper, seed=0, total=300)

@@ -22,7 +22,7 @@ from workloads.conversations import (
     SHAREGPT_16,
     FourCharacters,
     conversations,
-    seed003_prompts,
+    kubeai_benchmark_prompts,
     turns,
 )
 
@@ -100,10 +100,10 @@ def test_the_index_matches_the_longest_prefix_per_replica() -> None:
     assert index.match(a, [0, 1]) == {0: 2, 1: 3}
 
 
-def _seed_like(n_conv: int = 12, seed: int = 0) -> list[Request]:
+def _kubeai_like(n_conv: int = 12, seed: int = 0) -> list[Request]:
     convs = conversations(SHAREGPT_16, n_conv, seed)
     out = []
-    for r in seed003_prompts(convs, max_prompts=60, requests=300):
+    for r in kubeai_benchmark_prompts(convs, max_prompts=60, requests=300):
         ids = [ord(c) for m in r.prompt for c in m.content][: (r.prompt_tokens or 0)]  # type: ignore[union-attr]
         out.append(
             replace(r, blocks=block_hashes(ids, BLOCK), max_tokens=min(r.max_tokens or 1, 32))
@@ -126,7 +126,7 @@ def test_the_twins_kv_events_build_exactly_the_index_each_engine_holds() -> None
     index = PrefixIndex(4)
     policy = PrefixAffinity(index, precise=True)
     sim = _sim(4, policy.event, blocks=600)  # small: blocks are reclaimed, and so removed
-    done = run_closed_loop(sim, lambda r, v: policy.choose(OBS, r, v), _seed_like(), 16)
+    done = run_closed_loop(sim, lambda r, v: policy.choose(OBS, r, v), _kubeai_like(), 16)
     assert all(f.outcome == OK for f in done) and len(done) == 300
     for i, replica in enumerate(sim.replicas):
         assert replica.batch.kv is not None
@@ -145,7 +145,7 @@ def test_prefix_routing_finds_more_of_the_cache_than_spreading() -> None:
         def route(r: Request, v: ClusterView, p: PrefixAffinity = policy) -> int:
             return p.choose(OBS, r, v) if precise else next(turn) % 4  # noqa: B023
 
-        run_closed_loop(sim, route, _seed_like(), 16)
+        run_closed_loop(sim, route, _kubeai_like(), 16)
         hits[name] = sum(r.batch.hit_tokens for r in sim.replicas) / sum(
             r.batch.prompt_tokens for r in sim.replicas
         )
@@ -161,7 +161,7 @@ def test_the_closed_loop_keeps_exactly_n_requests_in_flight(concurrency: int) ->
         after[sim.now] = sum(r.batch.in_flight for r in sim.replicas) + 1
         return len(after) % 2
 
-    requests = _seed_like()[:120]
+    requests = _kubeai_like()[:120]
     done = run_closed_loop(sim, route, requests, concurrency)
     assert len(done) == 120
     # Everything is ready at once: whenever requests end, as many go out, back to exactly N,
@@ -188,8 +188,10 @@ def test_the_ordered_closed_loop_sends_a_turn_after_the_previous_answer() -> Non
     assert in_flight_sessions <= 4
 
 
-def test_seed003_prompts_repeat_a_few_hundred_prompts_in_shuffled_passes() -> None:
-    requests = seed003_prompts(conversations(SHAREGPT_16, 40, 0), max_prompts=100, requests=350)
+def test_kubeai_benchmark_prompts_repeat_a_few_hundred_prompts_in_shuffled_passes() -> None:
+    requests = kubeai_benchmark_prompts(
+        conversations(SHAREGPT_16, 40, 0), max_prompts=100, requests=350
+    )
     prompts = [r.prompt for r in requests]
     assert len(set(prompts)) == 100 and prompts[:100] == prompts[100:200]
     assert len({r.request_id for r in requests}) == 350
@@ -204,22 +206,22 @@ def test_conversation_turns_carry_the_whole_history() -> None:
         assert r.prompt == conv.messages[: 2 * k + 1]
 
 
-def test_the_seed003_deployment_routes_with_every_prefix_policy() -> None:
+def test_the_kubeai_deployment_routes_with_every_prefix_policy() -> None:
     from router.policies import make_policy
 
-    dep = load_deployment(name="seed003-sim")
+    dep = load_deployment(name="kubeai-l4-sim")
     for name in ("prefix-hash", "prefix-approx", "prefix-precise", "random-replica"):
         policy = make_policy(dep, name)
         v = ClusterView(tuple(ReplicaState(r.name, r.model, 0, True) for r in dep.replicas))
         assert 0 <= policy.choose(OBS, chat("x", 0, list(range(64))), v) < 8
 
 
-def test_the_seed003_experiment_puts_prefix_routing_far_ahead_of_round_robin() -> None:
+def test_the_kubeai_experiment_puts_prefix_routing_far_ahead_of_round_robin() -> None:
     """The experiment's own path at a small scale, in virtual time: the calibrated L4 twin, the
-    seed's recipe, counted by the deployment's tokenizer."""
+    KubeAI benchmark's recipe, counted by the deployment's tokenizer."""
     from experiments.prefix_aware import Scale, counter, run_table, seed_requests
 
-    dep = load_deployment(name="seed003-sim")
+    dep = load_deployment(name="kubeai-l4-sim")
     scale = Scale(conversations=40, prompts=300, requests=1500, runs=((1600, 400.0),))
     requests = seed_requests(counter(dep), scale, seed=0, uneven=False)
     assert all(r.blocks and r.prompt_tokens for r in requests)

@@ -158,8 +158,8 @@ def test_a_malformed_requests_file_is_named_with_its_line(tmp_path: Path) -> Non
 
 
 def test_the_replay_says_when_it_could_not_keep_up() -> None:
-    from workloads.metrics import Outcome
     from workloads.replay import client_health
+    from workloads.summary import Outcome
 
     def outcomes(lag_s: float, wait_s: float) -> list[Outcome]:
         return [

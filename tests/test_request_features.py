@@ -158,13 +158,13 @@ def _poisson():  # noqa: ANN202
     return Poisson(4.0)
 
 
-def test_picking_a_checkpoint_keeps_to_the_policy_it_replaces_on_the_seeds_workload() -> None:
+def test_picking_a_checkpoint_keeps_to_the_policy_it_replaces_on_the_thesis_workload() -> None:
     from router.policies import Static
     from router.train import Validation
 
-    # OPT-125M alone scores less than OPT-6.7B alone on seed 004's workload at low rates (and
-    # more at high ones): against the 6.7B guard it falls behind, so it is not picked however it
-    # validates.
+    # OPT-125M alone scores less than OPT-6.7B alone on the workload of Chuppala (2024) at low
+    # rates (and more at high ones): against the 6.7B guard it falls behind, so it is not picked
+    # however it validates.
     validation = Validation(PAPER, lengths=named(["seed"]), admission_rules=["none"],
                             guard=Static("opt-6.7b"))  # type: ignore[arg-type]  # fmt: skip
     small = validation.record(1, Static("opt-125m"))  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ def test_a_deployment_routes_with_another_policy_file_only_where_there_is_one(
 
     from config import ConfigError
 
-    other = Path(__file__).resolve().parent.parent / "router/policies/paper-4gpu-lengths.npz"
+    other = Path(__file__).resolve().parent.parent / "router/trained/paper-4gpu-lengths.npz"
     swapped = PAPER.with_policy_file(other)
     assert swapped.policy_file == str(other) and swapped.policy.net_path is None
     assert DqnPolicy.load(swapped.policy_file).encoder.reads_lengths

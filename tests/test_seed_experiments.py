@@ -1,4 +1,4 @@
-"""What the seed's experiments conclude from their rows: the checks they print."""
+"""What the experiments of Chuppala (2024) conclude from their rows: the checks they print."""
 
 from __future__ import annotations
 

@@ -223,6 +223,7 @@ def test_the_load_generator_over_http2_and_over_a_tls_connection_per_request(
         assert record["client"]["credit_waited"] > 0
 
 
+@pytest.mark.twin
 def test_a_stop_does_not_wait_for_an_idle_client_to_close_its_tls_connection(
     tmp_path: Path,
 ) -> None:

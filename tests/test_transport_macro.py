@@ -1,5 +1,5 @@
-"""Seed 004's end-to-end benchmark (`experiments.transport_macro`) and its co-simulation
-(`experiments.cosim`): the plumbing, in virtual time, on a few requests."""
+"""The end-to-end benchmark of Chuppala (2024), `experiments.transport_macro`, and its
+co-simulation (`experiments.harness.cosim`): the plumbing, in virtual time, on a few requests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from config import load_deployment
 from experiments import transport_macro
-from experiments.cosim import STACKS, CoSimulation
+from experiments.harness.cosim import STACKS, CoSimulation
 from netsim.link import LinkConfig
 from router.policies import Static
 from transport.tls import ensure_certificate

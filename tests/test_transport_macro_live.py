@@ -14,7 +14,7 @@ from experiments import transport_macro_live
 from experiments.transport_macro import workload
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec
-from workloads.metrics import Outcome
+from workloads.summary import Outcome
 
 
 @pytest.mark.usefixtures("netns")  # root and /dev/net/tun, as the emulator needs

@@ -13,13 +13,14 @@ import httpx
 import pytest
 
 from serving.launch import free_port
-from tests.conftest import Server, launch, null_remote_config, serving_command
+from tests.conftest import Server, launch, null_remote_config, serving_command, starts
 from tests.test_api import sse_events
 
 ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def gateway(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("gateway")
     config = null_remote_config(folder, null_upstream)

@@ -21,7 +21,7 @@ from serving.engines.base import Sampling
 from serving.engines.remote import RemoteEngine
 from serving.launch import free_port
 from serving.replicas import Replica, ReplicaSet
-from tests.conftest import PYTHON, Server, launch, serving_command, wait_until
+from tests.conftest import PYTHON, Server, launch, serving_command, starts, wait_until
 from tests.conftest import test_config as write_config
 from tests.test_remote_client import chat, replica
 
@@ -60,6 +60,7 @@ def test_the_load_is_read_from_vllms_exposition_for_the_served_model_only() -> N
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     folder = tmp_path_factory.mktemp("upstream")
@@ -139,6 +140,7 @@ async def test_other_clients_load_reaches_the_view_once_and_a_stale_report_is_no
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def gateway(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
     """A remote deployment with no latency profile, so admission control learns the upstream."""
     folder = tmp_path_factory.mktemp("gateway")

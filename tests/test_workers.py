@@ -26,6 +26,7 @@ from tests.conftest import (
     launch,
     null_remote_config,
     serving_command,
+    starts,
     wait_until,
 )
 from tests.conftest import test_config as write_config
@@ -51,6 +52,7 @@ def start_workers(folder: Path, upstream: Server, *extra: str) -> Server:
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def workers(tmp_path_factory: pytest.TempPathFactory, null_upstream: Server) -> Iterator[Server]:
     server = start_workers(tmp_path_factory.mktemp("workers"), null_upstream)
     yield server
@@ -194,6 +196,7 @@ def test_a_worker_runs_the_command_less_its_worker_count() -> None:
 
 
 @pytest.fixture(scope="module")
+@starts("twin")
 def twin_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`python -m serving --deployment embedded-sim --workers 2`: the twin's engines in an
     engine host of their own, shared by both workers over the engine link."""

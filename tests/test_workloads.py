@@ -26,7 +26,7 @@ from workloads.generate import (
     parse_mix,
     requests,
 )
-from workloads.metrics import Outcome, sliding_means, summarize
+from workloads.summary import Outcome, sliding_means, summarize
 from workloads.traces import (
     NAMED_TRACES,
     TraceError,

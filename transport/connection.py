@@ -3,8 +3,9 @@
 aioquic builds each packet in `QuicConnection._write_application()`, with one pass over
 `self._streams_queue`: each stream in turn fills what it can. Afterwards the streams that sent are
 moved to the tail, collected in a set, so aioquic's own order is round-robin and varies from run to
-run. We turn `_streams_queue` into a property (FACTS: the clean hook, unchanged from aioquic 1.0 to
-1.7.2) rather than copy `_write_application`, whose copies break silently across versions:
+run. We turn `_streams_queue` into a property (the clean hook: unchanged from aioquic 1.0 to 1.7.2,
+and pinned with every other private name we touch by tests/test_aioquic_internals.py) rather than
+copy `_write_application`, whose copies break silently across versions:
 - the getter hands out a view whose iteration pops streams from the scheduler, in its order;
 - `append` on that view (aioquic calls it when a stream is created) adds the stream;
 - the setter, which aioquic calls after every packet with the streams it keeps, tells the
@@ -509,7 +510,7 @@ class ScheduledQuicConnection(QuicConnection):
     each one supersedes the last, and after a burst of loss QUIC's window sits at its minimum
     behind packets that are lost but not yet declared so, for a probe timeout or more: the
     datagrams meant to bridge the burst wait behind the very losses they were sent to bridge.
-    Seed 002 ran over RTP, with no congestion control at all. A server that sets this lets
+    Chatterbox ran over RTP, with no congestion control at all. A server that sets this lets
     them through with a bounded excess: ours grants one packet (`eloquent.DATAGRAM_ALLOWANCE`)
     to a connection once it carries Eloquent, measured on and off in `experiments.eloquent_sim`."""
 
@@ -671,10 +672,10 @@ class _QueueView:
 def adopt(connection: QuicConnection, scheduler: Scheduler | str) -> ScheduledQuicConnection:
     """Turn a freshly made QuicConnection into a ScheduledQuicConnection.
 
-    aioquic's server makes its connections by the module-global name `QuicConnection` (FACTS), so
-    the only ways in are this, patching that global for every server in the process, or a copy of
-    its 150-line datagram router. The connection has processed nothing yet, so swapping its class
-    and moving its (empty) stream queue over is safe."""
+    aioquic's server makes its connections by the module-global name `QuicConnection` (aioquic
+    1.7.2's asyncio/server.py), so the only ways in are this, patching that global for every server
+    in the process, or a copy of its 150-line datagram router. The connection has processed nothing
+    yet, so swapping its class and moving its (empty) stream queue over is safe."""
     if connection._streams:
         raise ValueError("adopt() needs a connection that has no streams yet")
     del connection.__dict__["_streams_queue"]

@@ -1,4 +1,4 @@
-"""The edge front-end (seed 004, Figure 2): `python -m transport.frontend --backend URL`.
+"""The edge front-end (Chuppala (2024), Figure 2): `python -m transport.frontend --backend URL`.
 
 It accepts client HTTP/3 and HTTP/1.1 and forwards every request as a stream over a long-lived
 QUIC connection to the back-end: one, or as many as the load needs (`BackendPool`). Each forwarded

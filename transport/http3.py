@@ -2,8 +2,8 @@
 
 Why not hypercorn: it hard-codes its QUIC configuration (no datagrams) and creates its
 QuicConnection by a module-global name, so neither Eloquent's datagrams nor the stream scheduler
-could be plugged in (FACTS). aioquic's example server has no backpressure, lifespan or disconnect
-handling. This module adds exactly those:
+could be plugged in (hypercorn 0.17's `hypercorn/protocol/quic.py`). aioquic's example server
+has no backpressure, lifespan or disconnect handling. This module adds exactly those:
 - backpressure: `send()` of a response body waits while the stream holds more than
   `high_water` unacknowledged bytes, so a slow reader never makes us buffer without bound; a
   request body is buffered up to `max_body_bytes`, past which the stream stops reading (the app's
@@ -123,8 +123,8 @@ class Http3Settings:
     """Classifies each request as it arrives; None leaves streams untagged."""
     congestion_control: str = "reno"
     """aioquic's `reno` (its default) or `cubic`, as Linux TCP and quic-go use: on a lossy path
-    CUBIC recovers from a loss early in slow start far sooner (seed 004's microbenchmark over 3G:
-    real-time completion 91.5% under Reno, 100% under CUBIC, `experiments.transport_micro`)."""
+    CUBIC recovers from a loss early in slow start far sooner (Chuppala (2024)'s microbenchmark over
+    3G: real-time completion 91.5% under Reno, 100% under CUBIC, `experiments.transport_micro`)."""
 
     def quic_configuration(self) -> QuicConfiguration:
         configuration = QuicConfiguration(

@@ -29,7 +29,7 @@ Policies, by registry name:
         set, so its order varies from run to run; this one does not.
   edf   earliest deadline first; hard deadlines that pass are dropped, soft ones demoted.
   abs   absolute priority over a sorted list (bisect.insort, list.pop(0)): the baseline "sorted
-        list ABS" of seed 004, ch. 2. Inserting and popping cost O(n) (the list shifts).
+        list ABS" of Chuppala (2024), chapter 2. Inserting and popping cost O(n) (the list shifts).
   ml    multi-level: the high class in EDF order always before the low class in round-robin.
   pifo  the same order as abs over a heap (push-in-first-out queue): O(log n) insert and pop;
         a pop and the requeue of the same stream make one heapreplace (none if its rank holds).
@@ -69,7 +69,7 @@ class StreamSpec:
     """How a stream should be scheduled. Each policy reads only the fields it cares about."""
 
     priority: int = 0
-    """Larger is more urgent (seed 004 used 1..10, 10 highest). Read by abs and pifo."""
+    """Larger is more urgent (Chuppala (2024) used 1..10, 10 highest). Read by abs and pifo."""
     deadline: float | None = None
     """Absolute time on the clock of `now`; None: no deadline. Read by edf and ml's high class."""
     high: bool = False
@@ -694,8 +694,8 @@ class AbsScheduler(_RankScheduler):
     """Absolute priority: higher `priority` first, first come first served within a level.
 
     A Python list of packed ranks kept sorted with `bisect.insort`; pop is `list.pop(0)`. Both
-    shift the list, O(n): this is the sorted-list baseline of seed 004 ch. 2, kept to measure
-    `pifo` against.
+    shift the list, O(n): this is the sorted-list baseline of Chuppala (2024), chapter 2, kept to
+    measure `pifo` against.
     """
 
     name = "abs"

@@ -1,7 +1,8 @@
 """A self-signed certificate for a server that was given none.
 
-ECDSA P-256 with SAN `localhost` and `127.0.0.1`: Chromium refuses Ed25519 (FACTS). Made once and
-reused, so clients that pin it (by its SPKI hash) keep working across restarts.
+ECDSA P-256 with SAN `localhost` and `127.0.0.1`: Chromium refuses Ed25519 certificates (the
+browser tests load pages over it). Made once and reused, so clients that pin it (by its SPKI
+hash) keep working across restarts.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Gamma(ArrivalProcess):
 
 
 def Poisson(rate: float) -> Gamma:  # noqa: N802 - reads as the process it makes
-    """Seed 004's stable workload: exponential gaps at a fixed rate."""
+    """The stable workload of Chuppala (2024): exponential gaps at a fixed rate."""
     return Gamma(rate, 1.0)
 
 
@@ -121,9 +121,10 @@ def maf1(
 
 @dataclass(frozen=True)
 class SwitchingRate(ArrivalProcess):
-    """MAF2-style unpredictable load (seed 004 §5.1.3): the rate jumps between `levels`, staying
-    at each for an exponentially distributed time of mean `mean_duration_s`. The next level is
-    drawn uniformly from the others, so every switch is a real jump. Infinite."""
+    """MAF2-style unpredictable load, as in Chuppala (2024) §5.1.3: the rate jumps between
+    `levels`, staying at each for an exponentially distributed time of mean `mean_duration_s`.
+    The next level is drawn uniformly from the others, so every switch is a real jump.
+    Infinite."""
 
     levels: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 48.0)
     mean_duration_s: float = 10.0

@@ -1,5 +1,5 @@
-"""Multi-turn chat conversations whose every prompt carries the whole history so far, and seed
-003's benchmark workload cut from them.
+"""Multi-turn chat conversations whose every prompt carries the whole history so far, and the
+workload of KubeAI's benchmark cut from them.
 
 Conversations are generated here, from corpus sentences, with the turn counts and message
 lengths of published chat datasets (`ChatShape`; docs/workloads.md says which statistics each
@@ -10,7 +10,7 @@ Two ways to send them:
 - `turns`: every conversation's turns, in order, for a closed-loop client that sends a
   conversation's next turn only when the previous answer has ended (`router.closed_loop`,
   `python -m workloads.replay --max-concurrency N --conversations`).
-- `seed003_prompts`: what seed 003's benchmark script sent (KubeAI's chat-py
+- `kubeai_benchmark_prompts`: what KubeAI's benchmark script sent (its chat-py
   `benchmark_serving.py`, `sample_sharegpt_requests`): each conversation cut into prompts of
   1, 3, 5, ... messages, the next message's length as max_tokens; the first `max_prompts` of
   them (its `--max-conversations` counts prompts, not conversations), shuffled, then walked
@@ -131,7 +131,7 @@ def first_turns(
     return first, later
 
 
-def seed003_prompts(
+def kubeai_benchmark_prompts(
     convs: Sequence[Conversation],
     max_prompts: int = 800,
     requests: int = 8000,
@@ -139,7 +139,7 @@ def seed003_prompts(
     count: Tokens = FourCharacters(),  # noqa: B008 (immutable)
     qos_class: str = "free-tier",
 ) -> list[Request]:
-    """Seed 003's benchmark requests (module docstring), with its pruning: prompts or answers
+    """KubeAI's benchmark requests (module docstring), with its pruning: prompts or answers
     under 4 tokens, and prompts over 8,192, are left out. Request ids are unique; the prompts
     repeat. Arrival times are 0: the client's rate and concurrency send them."""
     prompts = [
@@ -148,7 +148,7 @@ def seed003_prompts(
         if r.max_tokens is not None and r.max_tokens >= 4 and 4 <= (r.prompt_tokens or 0) <= 8192
     ][:max_prompts]
     if not prompts:
-        raise ValueError("no prompt survives seed 003's pruning")
+        raise ValueError("no prompt survives the pruning of KubeAI's benchmark")
     order = np.random.default_rng(seed).permutation(len(prompts))
     picks = [int(order[i % len(prompts)]) for i in range(requests)]
     return [replace(prompts[p], request_id=f"p{p}n{i}") for i, p in enumerate(picks)]

@@ -31,7 +31,7 @@ from workloads.request import Message, Request
 from workloads.traces import TraceRecord
 
 DEFAULT_TASKS = ("hellaswag", "copa", "piqa", "openbookqa")
-"""Seed 004 §5.1.1's four zero-shot tasks, drawn uniformly by default."""
+"""The four zero-shot tasks of Chuppala (2024) §5.1.1, drawn uniformly by default."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class TaskShape:
 
 @dataclass(frozen=True)
 class Sessions:
-    """Multi-turn conversations, like seed 003's ShareGPT-derived workload: turn n of a
-    conversation sends messages 1..n-1 again, so prompts share growing prefixes."""
+    """Multi-turn conversations, like the ShareGPT-derived workload of KubeAI's benchmark: turn
+    n of a conversation sends messages 1..n-1 again, so prompts share growing prefixes."""
 
     turns: tuple[int, int] = (2, 6)
     """Uniform range of user turns per conversation."""

@@ -4,7 +4,7 @@ A `Lengths` draws one request's (prompt tokens, answer tokens, max_tokens). The 
 the model would stop on its own (its end-of-sequence token); max_tokens is what the client asks
 for, which a real client rarely sets to the answer's length:
 - "exact": max_tokens is the answer's length, as a benchmark client that replays recorded
-  answers sends it (vllm bench serve, seed 004's load generator);
+  answers sends it (vllm bench serve, the load generator of Chuppala (2024));
 - "none": no max_tokens, as most chat clients send; the answer ends on its own;
 - a number: a client's cap; the answer ends on its own, or at the cap.
 
@@ -89,7 +89,8 @@ class Lengths:
     answer: Sampler | None
     """Answer tokens; None where `pairs` or `turns` give them."""
     prompt: Sampler | None = None
-    """Prompt tokens; None: the task example's own length (seed 004's), set by its text."""
+    """Prompt tokens; None: the task example's own length (as in Chuppala (2024)), set by its
+    text."""
     max_tokens: MaxTokens = "exact"
     trace: str | None = None
     """An Azure trace ('code', 'conv'): its (prompt, answer) pairs, drawn with replacement."""
@@ -187,7 +188,7 @@ LMSYS_CHAT = ChatShape(
 
 SHAREGPT_16 = ChatShape(
     name="sharegpt-16",
-    source="seed 003's ShareGPT conversations of 16 messages or more, as its benchmark sent "
+    source="ShareGPT conversations of 16 messages or more, as KubeAI's benchmark sent "
     "them: 8,000 prompts of 832 tokens and 76 output tokens on average (6,656,338 and 608,447 "
     "in all); 10 user turns on average is chosen, and user messages sized to give 832",
     min_turns=8,
@@ -225,7 +226,7 @@ class Conversations(Lengths):
 TRAINING: tuple[Lengths, ...] = (
     Lengths(
         "seed",
-        "seed 004's: the task examples' own short prompts, 32-128 output tokens",
+        "as in Chuppala (2024): the task examples' own short prompts, 32-128 output tokens",
         Uniform(32, 128),
     ),
     Lengths(

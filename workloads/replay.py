@@ -54,7 +54,13 @@ from workloads.arrivals import (
     maf1,
 )
 from workloads.chat import ChatResult, chat_h1, chat_h2, chat_h3
-from workloads.conversations import SHAPES, conversations, first_turns, seed003_prompts, turns
+from workloads.conversations import (
+    SHAPES,
+    conversations,
+    first_turns,
+    kubeai_benchmark_prompts,
+    turns,
+)
 from workloads.generate import (
     Sessions,
     TaskShape,
@@ -65,9 +71,9 @@ from workloads.generate import (
     requests,
 )
 from workloads.lengths import ALL as LENGTHS
-from workloads.metrics import Outcome, format_summary, summarize
 from workloads.plots import plot_run
 from workloads.request import Request, load_requests
+from workloads.summary import Outcome, format_summary, summarize
 from workloads.traces import (
     DEFAULT_TRACE_DIR,
     TraceError,
@@ -507,27 +513,27 @@ def build_workload(
 
 
 def chat_workload(args: argparse.Namespace) -> tuple[list[Request], str]:
-    """`--conversations` or `--seed003` (workloads.conversations), with arrival times: Poisson
-    at --rate where it was given, else all at once."""
+    """`--conversations` or `--kubeai-benchmark` (workloads.conversations), with arrival times:
+    Poisson at --rate where it was given, else all at once."""
     rate_given = args.rate is not None
     qos_class = next(iter(parse_mix(args.classes)))
-    if args.seed003:
+    if args.kubeai_benchmark:
         convs = conversations(SHAPES["sharegpt-16"], 150, args.seed)
-        chosen = seed003_prompts(
+        chosen = kubeai_benchmark_prompts(
             convs, 800, args.num_requests or 8000, args.seed, qos_class=qos_class
         )
-        what = f"seed 003's {len(chosen)} requests"
+        what = f"KubeAI's benchmark, {len(chosen)} requests"
     else:
         convs = conversations(SHAPES[args.conversations], args.num_conversations, args.seed)
         chosen = turns(convs, qos_class, max_prompt_tokens=args.max_prompt_tokens)
         what = f"{args.num_conversations} {args.conversations} conversations, {len(chosen)} turns"
-    starts = len(chosen) if args.seed003 else args.num_conversations
+    starts = len(chosen) if args.kubeai_benchmark else args.num_conversations
     gaps = np.random.default_rng([args.seed, 9]).exponential(1 / (args.rate or 1.0), starts)
     times = iter(np.cumsum(gaps) if rate_given else np.zeros(starts))
     cap = args.max_output_tokens
     out, seen = [], set()
     for request in chosen:
-        first = args.seed003 or request.session_id not in seen
+        first = args.kubeai_benchmark or request.session_id not in seen
         seen.add(request.session_id)
         tokens = request.max_tokens if cap is None else min(cap, request.max_tokens or cap)
         out.append(
@@ -618,8 +624,8 @@ def parser() -> argparse.ArgumentParser:
         "--rate",
         type=float,
         default=None,
-        help="req/s (poisson, gamma; default 1); with --conversations or --seed003, their "
-        "arrivals (default: all at once)",
+        help="req/s (poisson, gamma; default 1); with --conversations or --kubeai-benchmark, "
+        "their arrivals (default: all at once)",
     )
     arr.add_argument(
         "--cv",
@@ -690,9 +696,9 @@ def parser() -> argparse.ArgumentParser:
     )
     con.add_argument("--num-conversations", type=int, default=100)
     con.add_argument(
-        "--seed003",
+        "--kubeai-benchmark",
         action="store_true",
-        help="seed 003's benchmark requests: 800 prompts cut from sharegpt-16 conversations, "
+        help="KubeAI's benchmark requests: 800 prompts cut from sharegpt-16 conversations, "
         "repeated in shuffled passes to --num-requests (default 8,000), arriving at --rate",
     )
     con.add_argument("--turns", type=_range, default=(2, 6), help="LO:HI turns per conversation")
@@ -729,14 +735,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         and args.duration is None
         and args.num_requests is None
     ):
-        args.duration = 40.0  # seed 004's 40 s per rate
+        args.duration = 40.0  # 40 s per rate, as in Chuppala (2024)
     try:
         # Without --deployment, the file's default, for the SLO and the classes, until the
         # server has said which deployment it is.
         deployment = load_deployment(args.config, args.deployment)
         if args.requests:
             workload, what = load_requests(args.requests), f"the requests of {args.requests}"
-        elif args.conversations or args.seed003:
+        elif args.conversations or args.kubeai_benchmark:
             workload, what = chat_workload(args)
         else:
             args.rate = 1.0 if args.rate is None else args.rate

@@ -1,9 +1,10 @@
-"""`python -m serving.quality --deployment embedded`: each model's zero-shot accuracy on seed
-004's tasks (HellaSwag, COPA, PIQA, OpenBookQA), measured by lm-eval through the server.
+"""`python -m serving.quality --deployment embedded`: each model's zero-shot accuracy on the
+four tasks of Chuppala (2024), HellaSwag, COPA, PIQA and OpenBookQA, measured by lm-eval through
+the server.
 
 Every request pins one model ("model": "<name>") of a running server (--url), or of one this
 command starts for the deployment and stops at the end. Writes the quality table (--out) and
-prints it normalised to the best model of each task, beside seed 004's Table 1."""
+prints it normalised to the best model of each task, beside the thesis's Table 1."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from config import (
 from config.quality import MeasuredQuality, Score
 from serving.launch import NotReady, free_port, launch, serving_command
 from serving.quality.evaluate import NUM_FEWSHOT, Sample
-from serving.quality.table import SeedRow, comparison
+from serving.quality.table import ThesisRow, comparison
 from serving.quality.tasks import FIXTURES, TASKS, data_file
 
 STARTUP_TIMEOUT_S = 600.0
@@ -129,7 +130,7 @@ def main() -> int:
     if args.samples is not None:
         args.samples.parent.mkdir(parents=True, exist_ok=True)
         args.samples.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples))
-    rows = {m: _seed_row(spec, m) for m in models}
+    rows = {m: _thesis_row(spec, m) for m in models}
     print(comparison(table, spec.quality.tasks, rows))
     print(f"\nseed: {spec.quality.source.strip()}")
     print(f"wrote {out}" + (f" and {args.samples}" if args.samples else ""))
@@ -206,15 +207,15 @@ def _offline(replicas: Iterable[ReplicaConfig]) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _seed_row(spec: ModelsFile, model: str) -> SeedRow | None:
-    """The seed's name for `model`: its own, or the model it stands in for."""
+def _thesis_row(spec: ModelsFile, model: str) -> ThesisRow | None:
+    """The thesis's name for `model`: its own, or the model it stands in for."""
     quality = spec.quality
     names = {name for row in quality.tasks.values() for name in row}
     stands_in_for = spec.models[model].stands_in_for
     name = model if model in names else stands_in_for
     if name is None or name not in names:
         return None
-    return SeedRow(name, stand_in=name != model, derived=name in quality.derived)
+    return ThesisRow(name, stand_in=name != model, derived=name in quality.derived)
 
 
 @contextlib.contextmanager

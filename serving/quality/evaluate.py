@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NUM_FEWSHOT = 0
-"""Seed 004 §5.1.1: zero-shot."""
+"""Chuppala (2024) §5.1.1: zero-shot."""
 
 ADD_BOS = True
 """Both backends prepend the BOS token (</s> for OPT, as Hugging Face's OPT tokenizer does and

@@ -1,5 +1,5 @@
 """The quality table (`config.quality.MeasuredQuality`, the file models.yaml references) beside
-seed 004's Table 1, as the quality command prints it."""
+Table 1 of Chuppala (2024), as the quality command prints it."""
 
 from __future__ import annotations
 
@@ -9,36 +9,36 @@ from config.quality import MeasuredQuality
 
 
 def normalised(by_model: dict[str, float]) -> dict[str, float]:
-    """Each value over the best one, as models.yaml's quality and seed 004's Table 1 are."""
+    """Each value over the best one, as models.yaml's quality and the thesis's Table 1 are."""
     best = max(by_model.values(), default=0.0)
     return {m: (v / best if best > 0 else 0.0) for m, v in by_model.items()}
 
 
 @dataclass(frozen=True)
-class SeedRow:
-    """Where a model of ours has a row in seed 004's Table 1 (models.yaml `quality.tasks`)."""
+class ThesisRow:
+    """Where a model of ours has a row in the thesis's Table 1 (models.yaml `quality.tasks`)."""
 
     name: str
-    """The seed's model: the model itself, or the one it stands in for."""
+    """The thesis's model: the model itself, or the one it stands in for."""
     stand_in: bool
     derived: bool
-    """Not measured in the seed: models.yaml's `quality.derived` says how it was made up."""
+    """Not measured in the thesis: models.yaml's `quality.derived` says how it was made up."""
 
 
 def comparison(
-    table: MeasuredQuality, seed: dict[str, dict[str, float]], rows: dict[str, SeedRow | None]
+    table: MeasuredQuality, thesis: dict[str, dict[str, float]], rows: dict[str, ThesisRow | None]
 ) -> str:
-    """Accuracy, the same normalised to the best model of each task, and the seed's Table 1
-    normalised over the same models, where the seed has them."""
+    """Accuracy, the same normalised to the best model of each task, and the thesis's Table 1
+    normalised over the same models, where the thesis has them."""
     header = f"{'task':<11} {'model':<10} {'acc':>7} {'stderr':>7} {'n':>5} {'norm.':>6}   seed"
     out = [header, "-" * (len(header) + 30)]
     for task, by_model in table.tasks.items():
         ours = normalised({m: s.acc for m, s in by_model.items()})
         theirs = normalised(
             {
-                m: seed[task][row.name]
+                m: thesis[task][row.name]
                 for m in by_model
-                if (row := rows.get(m)) is not None and row.name in seed.get(task, {})
+                if (row := rows.get(m)) is not None and row.name in thesis.get(task, {})
             }
         )
         for i, (model, s) in enumerate(by_model.items()):

@@ -1,4 +1,4 @@
-"""The four tasks of seed 004 (§5.1.1) as lm-eval's built-in tasks, reading local files.
+"""The four tasks of Chuppala (2024), §5.1.1, as lm-eval's built-in tasks, reading local files.
 
 Nothing may reach a dataset hub, so each task's data comes from a file under a data directory.
 Everything else (prompt, choices, target, metrics, hellaswag's process_docs and copa's
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 TASKS = ("hellaswag", "copa", "piqa", "openbookqa")
-"""Seed 004's tasks, by their lm-eval names (copa is lm-eval's super_glue copa)."""
+"""The thesis's tasks, by their lm-eval names (copa is lm-eval's super_glue copa)."""
 
 EVAL_SPLIT = {"hellaswag": "validation", "copa": "validation", "piqa": "validation",
               "openbookqa": "test"}  # fmt: skip

@@ -1,6 +1,6 @@
 """Eloquent token streaming: redundant HTTP/3 datagrams beside the reliable stream.
 
-Seed 002 (Eloquent, NAIC '24; seed 000 is the same design under the name Chatterbox), §3: every
+Eloquent (NAIC '24) and Chatterbox, its longer version with the same design, §3: every
 outgoing packet carries the newly generated tokens plus the earlier tokens not yet acknowledged,
 so any packet that arrives can be rendered on its own and one lost packet does not hold back the
 tokens behind it. Here the HTTP/3 response stream still carries every event, reliably and in

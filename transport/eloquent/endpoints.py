@@ -1,4 +1,4 @@
-"""Eloquent's sender and receiver for one response, sans-IO (seed 002 Algorithms 1 and 2).
+"""Eloquent's sender and receiver for one response, sans-IO (Chatterbox's Algorithms 1 and 2).
 
 Nothing here touches a socket or a clock: every method that needs the time takes `now` (seconds,
 never decreasing), in the manner of aioquic's QuicConnection, so the same logic runs on the
@@ -91,7 +91,7 @@ class EloquentSender:
       datagrams, each repeating everything unacknowledged, where the paper's ten a second
       was the premise.
     - `envelopes`: how many envelopes a response may open (MAX_ENVELOPES); 0 sends whole
-      events, as issue 6 did.
+      events, as the first sender did.
     - Oversize entries are cut into fragments of the same position, each in its own datagram;
       the position is acknowledged only whole, so a lost fragment repeats all of them.
     - Ending: `finish()` says no event follows; re-sending goes on until everything is
@@ -410,8 +410,9 @@ class EloquentSender:
     def _emit(self, messages: list[Tokens]) -> list[bytes]:
         payloads = [message.encode() for message in messages]
         for message, payload in zip(messages, payloads, strict=True):
-            # A payload over the limit would not just be lost: aioquic would wedge every datagram
-            # behind it (FACTS), so this is an invariant, not a hope.
+            # A payload over the limit would not just be lost: aioquic 1.7.2 never sends it and
+            # wedges every datagram behind it (checked on the development VM), so this is an
+            # invariant, not a hope.
             assert len(payload) <= self.max_payload, (len(payload), self.max_payload)
             self.stats.entries.append(len(message.entries))
         return payloads

@@ -55,11 +55,12 @@ lowest ones: the sender repeats oldest first, so those are the ones it would was
 
 DEFAULT_MAX_PAYLOAD = 1150
 """Largest payload the sender builds, in bytes. aioquic 1.7.2 fits at most 1170 bytes of DATAGRAM
-frame data in a 1200-byte packet with its 8-byte connection IDs (FACTS: max_datagram_size - 30),
-and a larger one is never sent and blocks every datagram queued behind it, so this must hold
-always, not on average. From 1170 we keep 8 bytes for the quarter-stream-id that
-H3Connection.send_datagram prepends (a varint: 1-2 bytes below stream id 65536, 8 at most) and
-12 for a peer connection ID of up to RFC 9000's 20 bytes instead of aioquic's 8."""
+frame data in a 1200-byte packet with its 8-byte connection IDs (`max_datagram_size - 30`), and
+a larger one is never sent and blocks every datagram queued behind it (both checked on the
+development VM), so this must hold always, not on average. From 1170 we keep 8 bytes for the
+quarter-stream-id that H3Connection.send_datagram prepends (a varint: 1-2 bytes below stream id
+65536, 8 at most) and 12 for a peer connection ID of up to RFC 9000's 20 bytes instead of
+aioquic's 8."""
 
 
 class EloquentFormatError(ValueError):

@@ -1,4 +1,5 @@
-"""MASQUE: proxying UDP over HTTP/3 (RFC 9298 CONNECT-UDP, RFC 9297 capsules), seed 004 ch. 2.
+"""MASQUE: proxying UDP over HTTP/3 (RFC 9298 CONNECT-UDP, RFC 9297 capsules), as in chapter 2
+of Chuppala (2024).
 
 Nothing here imports serving or router. `capsule` and `connect_udp` are the protocol logic,
 sans-IO; `proxy` and `tunnel` run it on plain aioquic.

@@ -15,13 +15,14 @@ on a stream of its own; anything but a 2xx raises `TunnelRefused` with the statu
 opens a UDP socket on 127.0.0.1 (port 0 unless told); the first address that sends to it becomes
 its local peer, and other senders are ignored.
 
-Scheduling (seed 004 ch. 2): the connection is a `ScheduledQuicConnection`, and each tunnel's
-stream is tagged with a `StreamSpec`, so the stream scheduler orders the tunnels' uploads against
-each other as it orders requests. A tunnel asked for with `urgency=u` sends RFC 9218's `priority:
-u=<u>`, which the proxy schedules its downloads by, and is tagged `priority=7-u` here, as
-`transport.qos` maps a class; `spec=` tags it otherwise here (the seed's priorities 1 to 10 are
-finer than RFC 9218's eight urgencies). An inner QUIC connection orders its own streams with its
-own scheduler before its packets reach the tunnel: the hierarchy is the two connections'.
+Scheduling, as in chapter 2 of Chuppala (2024): the connection is a `ScheduledQuicConnection`,
+and each tunnel's stream is tagged with a `StreamSpec`, so the stream scheduler orders the
+tunnels' uploads against each other as it orders requests. A tunnel asked for with `urgency=u`
+sends RFC 9218's `priority: u=<u>`, which the proxy schedules its downloads by, and is tagged
+`priority=7-u` here, as `transport.qos` maps a class; `spec=` tags it otherwise here (the
+thesis's priorities 1 to 10 are finer than RFC 9218's eight urgencies). An inner QUIC connection
+orders its own streams with its own scheduler before its packets reach the tunnel: the hierarchy
+is the two connections'.
 
 Each UDP payload goes to the proxy as a DATAGRAM capsule (context 0) on the tunnel's stream
 (`mode="capsule"`, the default: reliable and ordered, scheduled, works on any HTTP/3 path), or as

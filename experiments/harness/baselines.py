@@ -22,9 +22,9 @@ from router.policies import (
     prefix_hash,
 )
 
-DEFAULT_POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "policies"
+DEFAULT_POLICY_DIR = Path(__file__).resolve().parents[2] / "router" / "trained"
 MARGIN = 0.005
-"""How far below the best of the others the DQN may fall, on the seed's figures."""
+"""How far below the best of the others the DQN may fall, on the figures of Chuppala (2024)."""
 
 
 def add_previous_argument(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def baselines(
 ) -> dict[str, Callable[[], Policy]]:
     """Name -> a factory for a fresh policy (round-robin and p2c keep state between calls), for
     every baseline or those named in `only`. The DQN is `dqn`, else the deployment's own trained
-    policy, else router/policies/<deployment>.npz; it is left out if there is none. `dqn-net`
+    policy, else router/trained/<deployment>.npz; it is left out if there is none. `dqn-net`
     is the deployment's network-aware DQN (`policy.net_path`), where it has one;
     `dqn-previous`, the DQN `previous` (the one the deployment's replaced), where given."""
     wanted = set(only) if only is not None else None
@@ -112,12 +112,12 @@ def baselines(
 
 
 def add_admission_argument(parser: argparse.ArgumentParser) -> None:
-    """--admission: the simulator's admission control, for the seed's experiments."""
+    """--admission: the simulator's admission control, for the thesis's experiments."""
     parser.add_argument(
         "--admission",
         choices=["none", "deadline"],
         default="none",
-        help="admission control in the simulator: none, as in the seed (default), or the "
+        help="admission control in the simulator: none, as in the thesis (default), or the "
         "deployment's deadline rule, which sends what a replica cannot start in time elsewhere "
         "(so a one-model baseline is no longer one model) or sheds it",
     )

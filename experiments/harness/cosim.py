@@ -1,5 +1,5 @@
 """The serving system end to end in virtual time: the router's simulator behind real aioquic
-connections over the simulated link (seed 004 §5.3, `experiments.transport_macro`).
+connections over the simulated link (§5.3 of Chuppala (2024), `experiments.transport_macro`).
 
 A request leaves the client at its arrival time and crosses the uplink in its stack's way: a
 stream of the one QUIC connection, a TLS/TCP connection of its own, or the one TLS/TCP

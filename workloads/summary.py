@@ -6,7 +6,7 @@ content chunks), E2EL (send to the last content), each as mean, median, std and 
 and total token throughput over the run's duration. On top of them: SLO attainment and goodput per
 QoS class (the SLO is models.yaml's, tested by `Slo.met`), each model's share, and the router's
 reward (quality if the SLO was met, else 0), over the run and over sliding windows of 20 requests
-as in seed 004 Table 2.
+as in Table 2 of Chuppala (2024).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 WINDOW_THRESHOLDS = (1.0, 0.99, 0.98, 0.96, 0.94)
-"""Seed 004 Table 2's rows: windows whose mean reward is = 1.00, >= 0.99, and so on."""
+"""The rows of the thesis's Table 2: windows whose mean reward is = 1.00, >= 0.99, and so on."""
 
 
 @dataclass
@@ -217,7 +217,7 @@ def format_summary(summary: dict, title: str = "Load run") -> str:
     return "\n".join(lines)
 
 
-# Token-streaming smoothness (seed 002 §4.1, §4.3), for Eloquent
+# Token-streaming smoothness (Chatterbox §4.1, §4.3), for Eloquent
 
 
 _CLOCK_NOISE_S = 1e-6
@@ -233,7 +233,7 @@ def stall_ratio(
 ) -> float:
     """Share of the session spent waiting in stalls: gaps between consecutive renders > threshold.
 
-    Seed 002 §4.1 defines the stall ratio as "the amount of time that client side is waiting for
+    Chatterbox §4.1 defines the stall ratio as "the amount of time that client side is waiting for
     tokens to render when stall is longer than 200ms" (footnote 1: "proportion of token wait
     time when inter-token gap exceeds 200ms"). A gap longer than `threshold` therefore counts
     whole, not only its part beyond the threshold, and shorter gaps count nothing; a gap of
@@ -267,7 +267,7 @@ def late_share(
     rendered_times: Sequence[float | None],
     threshold: float = 0.4,
 ) -> float:
-    """Share of tokens rendered more than `threshold` after generation (seed 002 §4.3, "late
+    """Share of tokens rendered more than `threshold` after generation (Chatterbox §4.3, "late
     tokens (delay since generation over 400ms)"). A token never rendered (None) is late; a delay
     of exactly `threshold` is not."""
     if len(generated_times) != len(rendered_times):
