@@ -1,6 +1,6 @@
 """What one token's packet and one ACK cost a server connection: ours against bare aioquic.
 
-A client and a server connection (`tests.conftest.quic_pair`'s settings), sans IO, in one
+A client and a server connection (`tests.support.quic.quic_pair`'s settings), sans IO, in one
 process, with a given number of open request streams. Per round the server writes one token
 event (260 bytes) on the next stream in turn and builds its packets (`datagrams_to_send`, timed);
 the client takes them, and every second round acknowledges them (the server's

@@ -11,7 +11,7 @@ import pytest
 
 from netsim.link import LinkConfig
 from netsim.simlink import SimulatedPath
-from tests.conftest import quic_pair
+from tests.support.quic import quic_pair
 from transport.connection import ScheduledQuicConnection
 
 WRITES = 41  # odd: the last packet has no second to be acknowledged with

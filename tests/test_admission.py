@@ -2,7 +2,7 @@
 
 The rule is logic on plain views, tested here on hand-made ones; the simulator and the gateway
 both run it, tested on the simulator in virtual time and on a live server whose single simulated
-replica runs one request at a time (tests/conftest.py's `saturable` deployment).
+replica runs one request at a time (the `saturable` deployment of tests/support/servers.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from conftest import PREMIUM_KEY, Server, wait_until
 
 from config import QosClass, Slo, load_deployment
 from config.schema import ProfileModel
@@ -29,6 +28,7 @@ from serving.engines.base import Sampling, TokenDelta
 from serving.gateway import DeadlineExceeded, Gateway, GatewayError, Overloaded
 from serving.metrics import Metrics
 from serving.replicas import Replica, ReplicaSet
+from tests.support.servers import PREMIUM_KEY, Server, wait_until
 from workloads import Request
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec

@@ -14,14 +14,8 @@ import pytest
 
 from serving.engines.base import TokenDelta
 from serving.render import Shape, event
-from tests.conftest import (
-    ENGINE_CORE,
-    PREMIUM_KEY,
-    Server,
-    processes_under,
-    thread_cores,
-    wait_until,
-)
+from tests.support.processes import ENGINE_CORE, processes_under, thread_cores
+from tests.support.servers import PREMIUM_KEY, Server, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there!"}]
 

@@ -15,14 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import (
-    CERT,
-    EDGE_KEY,
-    PYTHON,
-    ROOT,
-    Server,
-    wait_until,
-)
+from tests.support.servers import CERT, EDGE_KEY, PYTHON, ROOT, Server, wait_until
 from tests.test_api import HELLO, _in_flight_is_zero
 from transport.client import Http3Client
 from workloads.chat import chat_body, chat_h3

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.cache_fidelity import kv_blocks, make_llm, serve_all, simulate, workload
 from config import load_deployment
-from tests.conftest import starts
+from tests.support.tiers import starts
 
 BLOCKS = 60
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, ROOT, Server
+from tests.support.servers import PYTHON, ROOT, Server
 from workloads import Request
 from workloads.replay import closed_loop
 from workloads.summary import Outcome

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aioquic.h3.connection import H3Connection
 
-from tests.conftest import CERT
+from tests.support.servers import CERT
 from transport.client import Http3Client, StreamError
 from transport.http3 import Http3Server, Http3Settings, ResponseNotDelivered
 from transport.schedulers import SCHEDULERS

@@ -12,7 +12,7 @@ import yaml
 import config.deployment
 from config import ConfigError, deployment_serving, load, load_deployment, resolve
 from config.deployment import RENAMED_DEPLOYMENTS
-from tests.conftest import test_config as write_test_config  # not collected as a test
+from tests.support.servers import write_test_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,22 +19,20 @@ import httpx
 import pytest
 
 from config import load_deployment
-from tests.conftest import (
+from serving.launch import free_port
+from tests.support.servers import (
     CERT,
     PYTHON,
     ROOT,
     Server,
-    free_port,
     free_udp_port,
     launch,
     remote_placement,
     serving_command,
-    starts,
     wait_until,
+    write_test_config,
 )
-from tests.conftest import (
-    test_config as write_test_config,  # aliased: pytest would collect a test_* name
-)
+from tests.support.tiers import starts
 from transport.client import Http3Client
 from transport.frontend import BackendPool, EdgeProxy
 from transport.http3 import Http3Server, Http3Settings

@@ -6,7 +6,7 @@ import json
 
 from netsim.link import GilbertElliott, LinkConfig
 from netsim.relay import LossyRelay
-from tests.conftest import Server
+from tests.support.servers import Server
 from transport.client import Http3Client
 from workloads.chat import ChatResult, read_chat_stream
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.support.servers import ROOT
 
 # Three builds at once in threads of a fresh interpreter, as the embedded deployment starts its
 # engines; transformers is imported for the first time by all three together.

@@ -14,15 +14,10 @@ import httpx
 import pytest
 
 from serving.launch import free_port
-from tests.conftest import (
-    Server,
-    launch,
-    one_vllm_engine,
-    processes_under,
-    serving_command,
-    starts,
-)
-from tests.conftest import test_config as write_config
+from tests.support.processes import processes_under
+from tests.support.servers import Server, launch, one_vllm_engine, serving_command
+from tests.support.servers import write_test_config as write_config
+from tests.support.tiers import starts
 
 TRIES = 40
 """New connections until both workers have answered: all on one of two has odds of 2 in 2^40."""

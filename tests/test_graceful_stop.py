@@ -26,22 +26,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import (
+from serving.launch import free_port
+from tests.support.processes import ENGINE_CORE, processes_under
+from tests.support.servers import (
     CERT,
-    ENGINE_CORE,
     Server,
-    free_port,
     free_udp_port,
     launch,
     one_vllm_engine,
-    processes_under,
     serving_command,
-    starts,
     wait_until,
+    write_test_config,
 )
-from tests.conftest import (
-    test_config as write_test_config,  # aliased: pytest would collect a test_* name
-)
+from tests.support.tiers import starts
 from transport.client import Http3Client, StreamError
 from transport.drain import Drain, Draining
 from transport.http3 import Http3Settings

@@ -15,7 +15,7 @@ from router.env import RoutingEnv
 from router.evaluate import grid_workload, mean_reward, simulate
 from router.hindsight import Horizon, base_replica, clairvoyant
 from router.policies import DqnPolicy, QualityThreshold, RandomModel, Static
-from tests.conftest import ROOT
+from tests.support.servers import ROOT
 from workloads.generate import requests
 from workloads.lengths import ALL
 

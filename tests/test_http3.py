@@ -14,7 +14,7 @@ from aioquic.h3.connection import ErrorCode
 
 from netsim.link import LinkConfig
 from netsim.relay import LossyRelay
-from tests.conftest import CERT, PREMIUM_KEY, Server, wait_until
+from tests.support.servers import CERT, PREMIUM_KEY, Server, wait_until
 from tests.test_api import HELLO, _in_flight_is_zero
 from transport.client import Http3Client, StreamError
 from workloads.chat import chat_body, chat_h3

@@ -8,7 +8,7 @@ import pytest
 
 from config import Limits
 from serving.key_limits import CONCURRENT, RATE, KeyLimiter, OverLimit
-from tests.conftest import METERED_KEY, PREMIUM_KEY, SINGLE_KEY, Server, wait_until
+from tests.support.servers import METERED_KEY, PREMIUM_KEY, SINGLE_KEY, Server, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there!"}]
 

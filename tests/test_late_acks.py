@@ -12,7 +12,7 @@ from typing import cast
 
 import pytest
 
-from tests.conftest import quic_pair
+from tests.support.quic import quic_pair
 from transport.connection import RESENT_EARLY_S, CountingRecovery, ScheduledQuicConnection
 
 CLIENT, SERVER = ("10.0.0.1", 4433), ("10.0.0.2", 443)

@@ -19,7 +19,7 @@ from router.policies import DqnPolicy, PrefixHash, RandomModel, Static
 from router.sim import SHED, Finished
 from router.train import Trainer, build_parser, make_env, train
 from router.view import ClusterView, ReplicaState
-from tests.conftest import ROOT, Server, wait_until
+from tests.support.servers import ROOT, Server, wait_until
 from workloads import Message, Request
 from workloads.arrivals import Poisson
 from workloads.generate import WorkloadSpec

@@ -12,7 +12,7 @@ import pytest
 
 from serving.engines.base import TokenLogprob
 from serving.logprobs import FLOOR, chat_logprobs, completion_logprobs
-from tests.conftest import ROOT, Server
+from tests.support.servers import ROOT, Server
 from tests.test_api import sse_events
 
 GREEDY = {"model": "tiny-m", "temperature": 0.0, "seed": 0}

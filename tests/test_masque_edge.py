@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.conftest import CERT, PREMIUM_KEY, TUNNEL_KEY, Server
+from tests.support.servers import CERT, PREMIUM_KEY, TUNNEL_KEY, Server
 from transport.client import Http3Client
 from transport.masque.tunnel import MasqueClient, TunnelRefused
 

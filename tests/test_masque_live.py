@@ -25,7 +25,7 @@ from aioquic.h3.events import HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
-from tests.conftest import ROOT, free_udp_port
+from tests.support.servers import ROOT, free_udp_port
 from transport.client import Http3Client
 from transport.http3 import Http3Server, Http3Settings
 from transport.masque import AllowList

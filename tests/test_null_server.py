@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.launch import free_port, launch
-from tests.conftest import PYTHON, Server, starts, wait_until
+from tests.support.servers import PYTHON, Server, wait_until
+from tests.support.tiers import starts
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CERT, PREMIUM_KEY, ROOT, Server, starts
+from tests.support.servers import CERT, PREMIUM_KEY, ROOT, Server
+from tests.support.tiers import starts
 
 SCREENSHOTS = ROOT / "results" / "pages"
 CHROMIUM = "/usr/bin/chromium"

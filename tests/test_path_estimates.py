@@ -14,7 +14,8 @@ from config.paths import PathEstimate
 from netsim.link import LinkConfig
 from netsim.relay import LossyRelay
 from netsim.simlink import SimulatedPath
-from tests.conftest import EDGE_KEY, Server, quic_pair
+from tests.support.quic import quic_pair
+from tests.support.servers import EDGE_KEY, Server
 from transport.client import Http3Client
 from transport.http3 import Http3Settings
 from transport.qos import (

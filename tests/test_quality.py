@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from serving.quality.tasks import TASKS
-from tests.conftest import PYTHON, ROOT, Server, starts
+from tests.support.servers import PYTHON, ROOT, Server
+from tests.support.tiers import starts
 
 LIMIT = 5
 MODELS = ("tiny-s", "tiny-m", "tiny-l")

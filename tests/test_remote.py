@@ -21,7 +21,8 @@ from config import load_deployment
 from router.kv_cache import STORED
 from serving.engines.kv_events import Rehasher, subscribe
 from serving.engines.prompts import gateway_counter
-from tests.conftest import Server, SessionServers, wait_until
+from tests.conftest import SessionServers
+from tests.support.servers import Server, wait_until
 from workloads import Message, Request
 
 HELLO = [{"role": "user", "content": "Hello there!"}]

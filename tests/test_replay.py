@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CERT, PREMIUM_KEY, PYTHON, ROOT, Server, free_port
+from serving.launch import free_port
+from tests.support.servers import CERT, PREMIUM_KEY, PYTHON, ROOT, Server
 from workloads.arrivals import Poisson
 from workloads.generate import TaskShape, WorkloadSpec, requests
 from workloads.request import load_requests, save_requests

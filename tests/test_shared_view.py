@@ -18,8 +18,8 @@ from config import Deployment, load_deployment
 from router.features import ArrivalRateEstimator
 from serving.key_limits import CONCURRENT, RATE, KeyLimiter, OverLimit
 from serving.shared_view import SharedArrivalRate, SharedView, WorkerRows
-from tests.conftest import METERED_KEY, SINGLE_KEY
-from tests.conftest import test_config as write_config
+from tests.support.servers import METERED_KEY, SINGLE_KEY
+from tests.support.servers import write_test_config as write_config
 
 
 @pytest.fixture(scope="module")

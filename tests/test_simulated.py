@@ -30,11 +30,7 @@ from serving.engines.simulated import SimulatedCluster, SimulatedEngine
 from serving.gateway import Gateway
 from serving.metrics import Metrics
 from serving.replicas import Backoff, Replica, ReplicaSet, Supervisor
-from tests.conftest import (
-    ROOT,
-    Server,
-    wait_until,
-)
+from tests.support.servers import ROOT, Server, wait_until
 from workloads import Message, Request
 
 HELLO = (Message("user", "Hello there"),)

@@ -11,7 +11,7 @@ from aioquic.quic.events import QuicEvent, StreamDataReceived
 
 from netsim.link import LinkConfig
 from netsim.simlink import SimulatedPath
-from tests.conftest import quic_pair
+from tests.support.quic import quic_pair
 from transport.connection import _StreamTable
 from transport.schedulers import SCHEDULERS
 

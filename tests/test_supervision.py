@@ -20,25 +20,21 @@ import pytest
 
 from config import load_deployment
 from serving.engines.base import EngineUnavailable
+from serving.launch import free_port
 from serving.replicas import PROBE_BACKOFF, Backoff, Replica, Supervisor
-from tests.conftest import (
-    ENGINE_CORE,
+from tests.support.processes import ENGINE_CORE, processes_under, thread_cores
+from tests.support.servers import (
     PYTHON,
     ROOT,
     Server,
-    free_port,
     launch,
     one_vllm_engine,
-    processes_under,
     remote_placement,
     serving_command,
-    starts,
-    thread_cores,
     wait_until,
+    write_test_config,
 )
-from tests.conftest import (
-    test_config as write_test_config,  # aliased: pytest would collect a test_* name
-)
+from tests.support.tiers import starts
 
 HELLO = [{"role": "user", "content": "Hello there!"}]
 VLLM_REPLICA = "cpu/tiny-s"

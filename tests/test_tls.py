@@ -17,20 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import (
+from serving.launch import free_port
+from tests.support.servers import (
     CERT,
     PYTHON,
     ROOT,
     Server,
-    free_port,
     free_udp_port,
     launch,
     serving_command,
-    starts,
+    write_test_config,
 )
-from tests.conftest import (
-    test_config as write_test_config,
-)
+from tests.support.tiers import starts
 from transport.client import Http3Client
 
 CHAT = {

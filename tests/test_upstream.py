@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from serving.launch import free_port
-from tests.conftest import Server, launch, null_remote_config, serving_command, starts
+from tests.support.servers import Server, launch, null_remote_config, serving_command
+from tests.support.tiers import starts
 from tests.test_api import sse_events
 
 ENGINE_ERRORS = {"qos_class": "free-tier", "model": "tiny-s", "outcome": "engine_error"}

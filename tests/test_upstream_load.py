@@ -21,8 +21,9 @@ from serving.engines.base import Sampling
 from serving.engines.remote import RemoteEngine
 from serving.launch import free_port
 from serving.replicas import Replica, ReplicaSet
-from tests.conftest import PYTHON, Server, launch, serving_command, starts, wait_until
-from tests.conftest import test_config as write_config
+from tests.support.servers import PYTHON, Server, launch, serving_command, wait_until
+from tests.support.servers import write_test_config as write_config
+from tests.support.tiers import starts
 from tests.test_remote_client import chat, replica
 
 SLOTS = 2

@@ -16,8 +16,16 @@ import pytest
 import yaml
 
 from serving.engines.warmup import paths
-from tests.conftest import ROOT, Server, free_port, launch, one_vllm_engine, serving_command, starts
-from tests.conftest import test_config as write_test_config  # not collected as a test
+from serving.launch import free_port
+from tests.support.servers import (
+    ROOT,
+    Server,
+    launch,
+    one_vllm_engine,
+    serving_command,
+    write_test_config,
+)
+from tests.support.tiers import starts
 from workloads import TokenIds
 
 LOGLIKELIHOOD = {"prompt": "The cat sat on the mat", "max_tokens": 1, "echo": True, "logprobs": 1}

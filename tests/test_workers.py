@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from serving.launch import free_port
-from tests.conftest import (
+from tests.support.servers import (
     CERT,
     METERED_KEY,
     SINGLE_KEY,
@@ -26,10 +26,10 @@ from tests.conftest import (
     launch,
     null_remote_config,
     serving_command,
-    starts,
     wait_until,
 )
-from tests.conftest import test_config as write_config
+from tests.support.servers import write_test_config as write_config
+from tests.support.tiers import starts
 from transport.client import Http3Client
 from transport.workers import _without_workers
 from workloads.chat import chat_body, chat_h3
