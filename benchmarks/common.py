@@ -1,7 +1,8 @@
 """What several benchmarks share: the upstreams they put behind a gateway (null servers and real
 `vllm serve`), the peers' gateways (sglang-router, vllm-router) from a virtual environment of
-their own, the models.yaml that names the upstreams, where results go, and the timer and
-machine of the microbenchmarks."""
+their own, the models.yaml that names the upstreams, where results go, the timer and machine of
+the microbenchmarks, and the storms on a live twin (`storm_runs`: calm, a client killed, engines
+dying; every request accounted for)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from serving.launch import ROOT, free_port, launch, shipped_spec
+from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
 
 MODEL = "null"
 """What the upstreams serve."""
@@ -158,3 +162,158 @@ def machine() -> str:
         f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()} ({platform.python_implementation()})"
     )
+
+
+STORMS = ("calm", "client-killed", "engines-die")
+"""What a storm run does to a live twin: nothing, SIGKILL its client part way, or kill two of
+its engines (`simulation.faults`, `DYING`) 12 s in and bring them back 5 s later."""
+DYING = {
+    "kubeai-l4-sim": ["cuda:0/llama-3.1-8b-fp8", "cuda:3/llama-3.1-8b-fp8"],
+    "paper-4gpu-sim": ["cuda:0/opt-6.7b", "cuda:1/opt-1.3b"],
+}
+"""The two engines that die in `engines-die`, per deployment."""
+STORM_KEY = "storm-premium-key"
+"""The load's API key, whose classes include real-time (the premium tier's)."""
+
+
+def storm_config(folder: Path, deployment: str, faults: bool, no_deadlines: bool) -> Path:
+    """The shipped models.yaml; with `no_deadlines`, no class deadline; with `faults`, two dying
+    engines."""
+    spec = shipped_spec()
+    if no_deadlines:
+        for qos_class in spec["qos_classes"].values():
+            qos_class["deadline_s"] = 3600.0
+    if faults:
+        spec["deployments"][deployment]["simulation"]["faults"] = {
+            "replicas": DYING[deployment], "fail_after_s": 12.0, "restart_s": 5.0,
+        }  # fmt: skip
+    path = folder / "models.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def start_twin(folder: Path, tag: str, policy: str, config: Path, deployment: str,
+               time_scale: float) -> Launched:  # fmt: skip
+    """`python -m serving` on CPU 0 with a request log; `policy`: a policy's name, or a DQN's
+    file (`serving --policy-file`)."""
+    port = free_port()
+    chosen = ["--policy", "dqn", "--policy-file", policy] if policy.endswith(".npz") else [
+        "--policy", policy]  # fmt: skip
+    command = [sys.executable, "-m", "serving", "--config", str(config), "--deployment",
+               deployment, *chosen, "--port", str(port), "--h3-port", "0", "--time-scale",
+               str(time_scale), "--request-log", str(folder / f"{tag}-requests.jsonl")]  # fmt: skip
+    env = {"QOS_PREMIUM_KEY": STORM_KEY}
+    return launch(tag, command, port, "/readyz", folder / f"{tag}.log", env, cpus={0}).ready(120)
+
+
+def replay_load(url: str, out: Path, workload: list[str], args: argparse.Namespace,
+                requests: int, kill_after: float = 0.0) -> dict | None:  # fmt: skip
+    """`workloads.replay` with `workload`'s flags on the other CPUs: its summary; None where it
+    was killed `kill_after` s in."""
+    command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
+               *workload, "--num-requests", str(requests), "--rate", str(args.rate),
+               "--max-concurrency", str(args.concurrency),
+               "--seed", str(args.seed), "--no-progress", "--out", str(out)]  # fmt: skip
+    cpus = set(range(1, os.cpu_count() or 2)) or {0}
+    client = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+    if kill_after:
+        time.sleep(kill_after)
+        client.kill()
+        client.wait()
+        return None
+    client.wait()
+    return json.loads(out.read_text())["summary"]
+
+
+def server_counts(url: str, request_log: Path) -> dict:
+    outcomes: Counter[str] = Counter()
+    in_flight = 0.0
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "serving_requests_total":
+                outcomes[sample.labels["outcome"]] += int(sample.value)
+            elif sample.name == "serving_replica_in_flight":
+                in_flight += sample.value
+    logged = Counter(json.loads(line)["outcome"] for line in request_log.read_text().splitlines())
+    return {"outcomes": dict(outcomes), "logged": dict(logged), "in_flight": in_flight}
+
+
+def storm_row(
+    tag: str, policy: str, scale: float, summary: dict | None, server: dict, before: int = 0
+) -> dict:
+    """One run's line; `before`: the requests the server had logged before it."""
+    out = {"run": tag, "policy": policy, **server, "new": sum(server["logged"].values()) - before}
+    if summary is not None:
+        out |= {
+            "sent": summary["sent"], "completed": summary["completed"],
+            "failed": summary["errored"], "errors": summary["errors"],
+            "mean_ttft_ms": summary["mean_ttft_ms"] / scale,
+            "p99_ttft_ms": summary["p99_ttft_ms"] / scale,
+            "req_per_s": summary["request_throughput"] * scale,
+            "slo": summary["slo_attainment"], "mean_reward": summary.get("mean_reward"),
+        }  # fmt: skip
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def storm_runs(
+    args: argparse.Namespace, deployment: str, workload: list[str], no_deadlines: bool
+) -> list[dict]:
+    """Each of `args.policies` through `args.scenario` on a fresh twin of `deployment`, the load
+    `workload`: a row a run (two for client-killed: when killed, then after 300 more)."""
+    folder = args.out
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    faults = args.scenario == "engines-die"
+    config = storm_config(folder, deployment, faults, no_deadlines)
+    for policy in args.policies.split(","):
+        tag = "-".join([args.scenario, *Path(policy).with_suffix("").parts[-2:]])
+        with start_twin(folder, tag, policy, config, deployment, args.time_scale) as server:
+            log = folder / f"{tag}-requests.jsonl"
+            if args.scenario == "client-killed":
+                replay_load(server.url, folder / f"{tag}.json", workload, args, args.requests,
+                            args.kill_after)  # fmt: skip
+                time.sleep(2)  # the server sees the connections close
+                killed = server_counts(server.url, log)
+                rows.append(storm_row(f"{tag} (killed)", policy, args.time_scale, None, killed))
+                summary = replay_load(server.url, folder / f"{tag}-after.json", workload, args,
+                                      300)  # fmt: skip
+                time.sleep(2)
+                rows.append(storm_row(f"{tag} (then 300 more)", policy, args.time_scale, summary,
+                                server_counts(server.url, log), rows[-1]["new"]))  # fmt: skip
+            else:
+                summary = replay_load(server.url, folder / f"{tag}.json", workload, args,
+                                      args.requests)  # fmt: skip
+                time.sleep(2)
+                counts = server_counts(server.url, log)
+                rows.append(storm_row(tag, policy, args.time_scale, summary, counts))
+    return rows
+
+
+def add_storm_arguments(parser: argparse.ArgumentParser, policies: str, out: str) -> None:
+    """The flags every storm takes; `policies` and `out`: their defaults."""
+    parser.add_argument("--scenario", choices=STORMS, default="calm")
+    parser.add_argument("--policies", default=policies,
+                        help="policy names, or DQN files (.npz), comma-separated")  # fmt: skip
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=800)
+    parser.add_argument("--rate", type=float, default=800.0)
+    parser.add_argument("--time-scale", type=float, default=5.0)
+    parser.add_argument("--kill-after", type=float, default=20.0, help="client-killed: s")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / out)
+
+
+def storm_report(args: argparse.Namespace, rows: list[dict]) -> int:
+    """Write the rows, say whether every request was accounted for; 1 where one was not."""
+    (args.out / f"{args.scenario}.json").write_text(json.dumps(rows, indent=1))
+    lost = [
+        r["run"] for r in rows
+        if r["in_flight"] or sum(r["outcomes"].values()) != sum(r["logged"].values())
+        or ("sent" in r and r["sent"] != r["new"])
+    ]  # fmt: skip
+    print("every request accounted for" if not lost else f"NOT accounted for: {lost}")
+    return 1 if lost else 0

@@ -27,7 +27,11 @@ client on a full core may have timed itself). Then the ratios the issue asks for
 aioquic/h3, full/h1 to starlette/h1. With --profile, py-spy samples the full server at its peak
 over each protocol and the top frames are printed.
 
+With --per-packet, instead: the floor of that cost, one packet and one ACK of a server
+connection, ours against bare aioquic, sans IO in one process (`per_packet`).
+
     python -m benchmarks.frontend_capacity            # about 5 minutes on 2 cores
+    python -m benchmarks.frontend_capacity --per-packet 8,256,1024
 """
 
 from __future__ import annotations
@@ -51,8 +55,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
 from experiments.harness.live import server
 from serving.launch import free_port, launch
+from transport.connection import ScheduledQuicConnection
+from transport.http3 import Http3Settings
 from transport.process_tree import tree_cpu_seconds
 from transport.tls import ensure_certificate
 
@@ -419,6 +428,99 @@ def profile(
     return lines
 
 
+CLIENT_ADDR = ("10.0.0.1", 40000)
+SERVER_ADDR = ("10.0.0.2", 443)
+EVENT = b"x" * 260
+"""About one chat-completion chunk's server-sent event."""
+
+
+def _pair(ours: bool) -> tuple[QuicConnection, QuicConnection]:
+    client_config = QuicConfiguration(is_client=True, alpn_protocols=["h3"])
+    client_config.verify_mode = 0
+    cert, key = ensure_certificate()
+    server_config = Http3Settings(str(cert), str(key)).quic_configuration()
+    if ours:
+        client: QuicConnection = ScheduledQuicConnection(configuration=client_config)
+        server: QuicConnection = ScheduledQuicConnection(
+            configuration=server_config,
+            original_destination_connection_id=client.original_destination_connection_id,
+            scheduler="rr",
+        )
+    else:
+        client = QuicConnection(configuration=client_config)
+        server = QuicConnection(
+            configuration=server_config,
+            original_destination_connection_id=client.original_destination_connection_id,
+        )
+    return client, server
+
+
+def per_packet(ours: bool, streams: int, rounds: int) -> tuple[float, float]:
+    """µs per server `datagrams_to_send` (one packet) and per ACK received (`--per-packet`).
+
+    A client and a server connection (`tests.support.quic.quic_pair`'s settings), sans IO, in
+    one process, with `streams` open request streams. Per round the server writes one token
+    event (260 bytes) on the next stream in turn and builds its packets (timed); the client
+    takes them, and every second round acknowledges them (the server's `receive_datagram` of
+    that ACK, timed). Nothing else runs between the calls, so the figures are the floor of what
+    the live server pays per packet and per ACK (the live server measured 2-3x these, with the
+    app between the calls: docs/results/http3-vs-http1.md)."""
+    client, server = _pair(ours)
+    limit = server._local_max_streams_bidi  # as transport.http3 raises it
+    limit.value = limit.sent = 2 * streams
+    now = 0.0
+
+    def carry(source: QuicConnection, to: QuicConnection) -> None:
+        address = SERVER_ADDR if source is server else CLIENT_ADDR
+        for data, _ in source.datagrams_to_send(now):
+            to.receive_datagram(data, address, now)
+
+    client.connect(SERVER_ADDR, now)
+    for _ in range(6):
+        carry(client, server)
+        carry(server, client)
+        now += 0.01
+    ids = []
+    for _ in range(streams):
+        stream_id = client.get_next_available_stream_id()
+        client.send_stream_data(stream_id, b"request", True)
+        ids.append(stream_id)
+    for _ in range(4):
+        carry(client, server)
+        carry(server, client)
+        now += 0.01
+    if len(server._streams) < streams:
+        raise RuntimeError(f"only {len(server._streams)} of {streams} streams opened")
+    sending = receiving = 0.0
+    for i in range(rounds):
+        server.send_stream_data(ids[i % streams], EVENT)
+        start = time.perf_counter()
+        packets = server.datagrams_to_send(now)
+        sending += time.perf_counter() - start
+        for data, _ in packets:
+            client.receive_datagram(data, SERVER_ADDR, now)
+        now += 0.0005
+        if i % 2:
+            acks = client.datagrams_to_send(now + 0.03)  # past any ACK delay
+            start = time.perf_counter()
+            for data, _ in acks:
+                server.receive_datagram(data, CLIENT_ADDR, now)
+            receiving += time.perf_counter() - start
+        while client.next_event() is not None:
+            pass
+    return 1e6 * sending / rounds, 1e6 * receiving / (rounds // 2)
+
+
+def per_packet_table(streams: list[int], rounds: int) -> None:
+    print("| open streams | connection | µs per packet built | µs per ACK received |")
+    print("|---|---|---|---|")
+    for n in streams:
+        for ours in (False, True):
+            send, receive = per_packet(ours, n, rounds)
+            name = "ours (ScheduledQuicConnection)" if ours else "bare aioquic"
+            print(f"| {n} | {name} | {send:.1f} | {receive:.1f} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -440,7 +542,16 @@ def main() -> int:
     p.add_argument("--targets", default="aioquic/h3,full/h3,starlette/h1,full/h1")
     p.add_argument("--profile", action="store_true", help="py-spy the full server at its peaks")
     p.add_argument("--out", default=str(ROOT / "results" / "frontend_capacity"))
+    p.add_argument(
+        "--per-packet", type=lambda s: [int(v) for v in s.split(",")], metavar="STREAMS",
+        help="instead: what one packet and one ACK cost a server connection, ours against bare "
+        "aioquic, with these many streams open (e.g. 8,256)",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=20000, help="--per-packet: packets per run")
     args = p.parse_args()
+    if args.per_packet:
+        per_packet_table(args.per_packet, args.rounds)
+        return 0
     if args.serve:
         if args.serve == "aioquic":
             serve_aioquic(args.port)

@@ -57,3 +57,14 @@ def test_every_link_of_a_page_leads_to_a_file_and_heading(page: Path) -> None:
         elif anchor and into.suffix == ".md" and anchor not in anchors(into):
             broken.append(f"{target}: no such heading in {into.relative_to(ROOT)}")
     assert not broken, broken
+
+
+def test_every_benchmark_and_experiment_has_a_results_page_in_the_index() -> None:
+    """Each `python -m benchmarks.X` and `experiments.X` is named on the results index, with the
+    page that holds what it measured."""
+    index = (ROOT / "docs" / "results" / "README.md").read_text()
+    modules = [f"{p.parent.name}.{p.stem}" for package in ("benchmarks", "experiments")
+               for p in sorted((ROOT / package).glob("*.py"))
+               if p.stem not in ("__init__", "common")]  # fmt: skip
+    missing = [m for m in modules if not re.search(rf"\b{re.escape(m)}\b", index)]
+    assert not missing, f"not on docs/results/README.md: {missing}"

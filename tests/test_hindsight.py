@@ -24,6 +24,8 @@ THRESHOLDS = {"opt-6.7b": 1, "opt-1.3b": 3}
 
 # Small workloads of every kind of load: light (the biggest model for all), its knee, overload.
 CELLS = [("seed", 2.0, "none"), ("long-answers", 12.0, "deadline"), ("short-chat", 40.0, "none")]
+SHORT = Horizon(seconds=0.5, slo_windows=0.5, requests=30)
+"""A short look ahead keeps these tests quick; what they check holds for any horizon."""
 
 
 def _threshold(deployment: object = PAPER) -> QualityThreshold:
@@ -37,7 +39,7 @@ def test_no_schedule_passes_the_bound(lengths: str, rate: float, rule: str) -> N
     n = 120
     bound = upper_bound(deployment, list(requests(spec, 5, None, n)))
     bases = [_threshold] + [lambda m=m: Static(m) for m in deployment.models]
-    done = clairvoyant(deployment, spec, 5, bases, requests=n)
+    done = clairvoyant(deployment, spec, 5, bases, SHORT, requests=n)
     hindsight = mean_reward(deployment, done)
     others = [
         _threshold(),
@@ -73,7 +75,7 @@ def test_a_bound_that_dropped_capacity_would_be_the_alone_bound() -> None:
 def test_the_clairvoyant_never_scores_below_its_base(lengths: str, rate: float, rule: str) -> None:
     deployment = PAPER.with_admission(rule)  # type: ignore[arg-type]
     spec = grid_workload(deployment, ALL[lengths], rate)
-    done = clairvoyant(deployment, spec, 9, [_threshold], Horizon(), passes=1, requests=150)
+    done = clairvoyant(deployment, spec, 9, [_threshold], SHORT, passes=1, requests=150)
     base = simulate(deployment, _threshold(), spec, 9, requests=150)
     assert len(done) == len(base) == 150
     assert mean_reward(deployment, done) >= mean_reward(deployment, base)

@@ -88,7 +88,7 @@ def test_a_saturated_link_fails_requests_at_the_client_not_at_the_server(certifi
 def test_the_cli_writes_its_tables(tmp_path, capsys) -> None:
     assert transport_macro.main([
         "--stacks", "rr,h2-tls", "--policies", "opt-125m-only,dqn", "--seeds", "1",
-        "--rates", "1", "--rate-seconds", "4", "--seconds", "4", "--jobs", "1",
+        "--rates", "1", "--rate-seconds", "2", "--seconds", "2", "--jobs", "1",
         "--out", str(tmp_path),
     ]) == 0  # fmt: skip
     out = capsys.readouterr().out
