@@ -1,12 +1,14 @@
-"""`python -m benchmarks.engine_paths`: what a token costs on each way of reaching real vLLM
-engines, to choose how several front-end workers should reach them, on one vLLM CPU engine of
-the embedded deployment's tiny-s.
+"""`python -m benchmarks.engine_paths`: what a token costs on each way of reaching an engine:
+whole servers on a real vLLM CPU engine (the embedded deployment's tiny-s), and the upstream
+leg of a `remote` deployment alone. `--paths` chooses among:
 
 - `in-process`: `python -m serving`, the engine (vLLM's AsyncLLM) in the front-end's process;
-- `engine host`: `python -m serving --separate-engines`, the engine in `serving.engine_host`,
+- `engine-host`: `python -m serving --separate-engines`, the engine in `serving.engine_host`,
   the one front-end worker reaching it over the engine link (what `--workers N` runs);
-- `vllm serve`: vLLM's own OpenAI server for the engine, the front-end reaching it as a remote
-  replica (HTTP/SSE, `RemoteEngine`).
+- `vllm-serve`: vLLM's own OpenAI server for the engine, the front-end reaching it as a remote
+  replica (HTTP/SSE, `RemoteEngine`);
+- `leg-shipped`, `leg-raw`, `leg-raw-push`: the upstream leg alone, as shipped and as a
+  hand-written client could at best make it (below).
 
 The same closed loop of `--streams` streaming chat requests of `--tokens` tokens each runs for
 `--seconds` against each. Every process's CPU is read from /proc, and sorted into the
@@ -16,30 +18,61 @@ vLLM's EngineCore (the model's steps, the same work in all three). Reported: CPU
 token of each, and their sum without EngineCore, which is what the way of reaching the engine
 costs. Rounds interleave the three, so that the VM's drift falls on all alike.
 
+The upstream leg alone: one null upstream (`workloads.null_server`, first token at 20 ms, then
+one every 10 ms) on CPU 1; this process on CPU 0 keeps `--streams` chat streams of 64 tokens open
+against it and reads them, for `--seconds` a run, in interleaved rounds. CPU per token is this
+process's CPU time over the tokens read. The ways to read them:
+
+- `leg-shipped`: `RemoteEngine.generate` (aiohttp's pooled client, msgspec per chunk), pumped by
+  a task into a queue that the reader drains, as `serving.gateway.Generation` does;
+- `leg-raw`: an `asyncio.Protocol` with httptools parsing the response on the connection, the
+  SSE split and msgspec decode in `data_received`, into a queue read by an async generator that
+  the same pump drains: aiohttp's client replaced, the engine interface kept;
+- `leg-raw-push`: the same protocol pushing straight into the reader's queue, no pump task:
+  the engine interface changed as well.
+
+The raw client here has none of what a shipped one needs (errors, timeouts, aborts, a pool
+that closes idle connections), so its numbers are a floor for that design, not its price.
+`--loops asyncio,uvloop` repeats each on uvloop's event loop.
+
     python -m benchmarks.engine_paths                     # 8 streams of 64 tokens, 20 s, 2 rounds
+    python -m benchmarks.engine_paths --paths leg-shipped,leg-raw,leg-raw-push   # about 2 min
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
+import httptools
 import httpx
+import msgspec
 import yaml
 
+from benchmarks.common import MODEL, start_upstreams
+from config import ReplicaConfig
 from experiments.harness.live import cpu_seconds
+from serving.engines.base import Sampling, TokenDelta
+from serving.engines.remote import RemoteEngine, decode_chunk
 from serving.launch import ROOT, free_port, launch, serving_command, shipped_spec
 from transport.process_tree import tree
+from workloads import Message, Request
 
-PATHS = ("in-process", "engine host", "vllm serve")
+SERVERS = ("in-process", "engine-host", "vllm-serve")
+"""Whole servers on one real vLLM engine, three ways (see the module)."""
 
 
 def vllm_env() -> dict[str, str]:
@@ -128,18 +161,237 @@ def measure(url: str, front: int, upstream: int | None, args: argparse.Namespace
     return {"tokens": received, "tokens_per_s": received / args.seconds} | per_token
 
 
+TOKENS = 64
+PROMPT = (Message("user", "hi " * 128),)
+LEG = ("leg-shipped", "leg-raw", "leg-raw-push")
+"""The upstream leg alone, three ways (see the module)."""
+_END = object()
+
+Sink = Callable[[Any], None]
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: the response parsed as it arrives, each SSE event's data
+    handed to `sink`, then `_END`, and the connection back into `pool`."""
+
+    def __init__(self, pool: list[_Connection]) -> None:
+        self.pool = pool
+        self.transport: Any = None  # asyncio's or uvloop's TCP transport
+        self.parser = httptools.HttpResponseParser(self)
+        self.sink: Sink | None = None
+        self.rest = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        events = (self.rest + body).split(b"\n\n")
+        self.rest = events.pop()
+        assert self.sink is not None
+        for event in events:
+            if event.startswith(b"data: ") and event != b"data: [DONE]":
+                self.sink(event[6:])
+
+    def on_message_complete(self) -> None:
+        sink, self.sink = self.sink, None
+        assert sink is not None
+        sink(_END)
+        self.parser = httptools.HttpResponseParser(self)
+        self.pool.append(self)
+
+
+class _RawClient:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.pool: list[_Connection] = []
+
+    async def send(self, sink: Sink) -> None:
+        while self.pool and (held := self.pool.pop()).transport is not None:
+            if not held.transport.is_closing():
+                break
+        else:
+            loop = asyncio.get_running_loop()
+            _, held = await loop.create_connection(
+                lambda: _Connection(self.pool), self.host, self.port
+            )
+        body = msgspec.json.encode(
+            {"model": MODEL, "max_tokens": TOKENS, "stream": True, "ignore_eos": True,
+             "messages": [{"role": m.role, "content": m.content} for m in PROMPT],
+             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        )  # fmt: skip
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        held.sink = sink
+        assert held.transport is not None
+        held.transport.write(head + body)
+
+
+def _decoding(put: Sink) -> Sink:
+    """A sink that decodes each chunk as `RemoteEngine` does and puts its delta."""
+    generated = 0
+
+    def sink(data: Any) -> None:
+        nonlocal generated
+        if data is _END:
+            put(_END)
+            return
+        chunk = decode_chunk(data)
+        if not chunk.choices or chunk.usage is None:
+            return
+        choice, usage = chunk.choices[0], chunk.usage
+        delta = choice.delta
+        put(
+            TokenDelta(
+                text=(delta.content if delta is not None else choice.text) or "",
+                tokens=usage.completion_tokens - generated,
+                prompt_tokens=usage.prompt_tokens,
+                finish_reason=choice.finish_reason,
+            )
+        )
+        generated = usage.completion_tokens
+
+    return sink
+
+
+async def _pumped(deltas: AsyncIterator[TokenDelta]) -> int:
+    """Read `deltas` as `Generation` does: a task pumps them into a queue that this drains."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump() -> None:
+        async for delta in deltas:
+            queue.put_nowait(delta)
+        queue.put_nowait(_END)
+
+    task = asyncio.create_task(pump())
+    tokens = 0
+    while (item := await queue.get()) is not _END:
+        tokens += item.tokens
+    await task
+    return tokens
+
+
+async def _run(way: str, url: str, seconds: float, streams: int) -> tuple[int, float, float]:
+    engine = RemoteEngine(_replica(url))
+    await engine.start()
+    raw = _RawClient(url)
+    ids = itertools.count()
+
+    async def one() -> int:
+        if way == "leg-shipped":
+            request = Request(f"r{next(ids)}", 0.0, PROMPT, TOKENS, "free-tier")
+            return await _pumped(engine.generate(request, Sampling(ignore_eos=True)))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        await raw.send(_decoding(queue.put_nowait))
+        if way == "leg-raw":
+
+            async def deltas() -> AsyncIterator[TokenDelta]:
+                while (item := await queue.get()) is not _END:
+                    yield item
+
+            return await _pumped(deltas())
+        tokens = 0
+        while (item := await queue.get()) is not _END:
+            tokens += item.tokens
+        return tokens
+
+    async def keep_one_open(until: float) -> int:
+        tokens = 0
+        while time.monotonic() < until:
+            tokens += await one()
+        return tokens
+
+    try:
+        await asyncio.gather(*(one() for _ in range(streams)))  # connections made, code warm
+        cpu, wall = time.process_time(), time.monotonic()
+        counts = await asyncio.gather(*(keep_one_open(wall + seconds) for _ in range(streams)))
+        return sum(counts), time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        await engine.close()
+        for held in raw.pool:
+            if held.transport is not None:
+                held.transport.close()
+
+
+def _replica(url: str) -> ReplicaConfig:
+    return ReplicaConfig(
+        name="remote/null", model=MODEL, source=MODEL, device=None, url=url + "/v1",
+        served_name=MODEL, memory_fraction=None, kv_cache_gib=None, cpu_cores=None,
+        engine_args={}, chat_template=None, fallback_chat_template=None, build=None, scrape_s=0,
+    )  # fmt: skip
+
+
+def _on(loop: str, main: Any) -> Any:
+    if loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
+
+
+def measure_leg(args: argparse.Namespace, ways: list[str]) -> None:
+    """The upstream leg alone: this process on CPU 0 reads `--streams` streams of 64 tokens
+    from a null upstream on CPU 1, each way of `ways` and loop of `--loops`, in rounds."""
+    loops = args.loops.split(",")
+    if (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {0})
+    cost: dict[tuple[str, str], list[float]] = {}
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as folder:
+        (url,) = start_upstreams(stack, Path(folder), [(20.0, 10.0)])
+        for round_, loop, way in itertools.product(range(args.rounds), loops, ways):
+            tokens, cpu, wall = _on(loop, _run(way, url, args.seconds, args.streams))
+            cost.setdefault((loop, way), []).append(cpu / tokens * 1e6)
+            print(f"round {round_} {loop:7s} {way:12s}: {tokens / wall:6.0f} tokens/s, "
+                  f"{cpu / tokens * 1e6:5.1f} µs CPU per token", file=sys.stderr)  # fmt: skip
+    base = statistics.median(cost[(loops[0], ways[0])])
+    print(f"\nthe upstream leg: {args.streams} streams, median of {args.rounds} rounds "
+          f"({sys.platform}, {os.cpu_count()} CPUs)\n")  # fmt: skip
+    print(f"| loop | way | µs CPU per token | vs {loops[0]} {ways[0]} |\n|---|---|---|---|")
+    for (loop, way), values in cost.items():
+        median = statistics.median(values)
+        print(f"| {loop} | {way} | {median:.1f} | {median / base:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.engine_paths",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(SERVERS),
+                        help=f"comma-separated, of {', '.join(SERVERS + LEG)}")  # fmt: skip
+    parser.add_argument("--streams", type=int, help="streams kept open (8; the leg's: 50)")
+    parser.add_argument("--tokens", type=int, default=64, help="per request (servers)")
+    parser.add_argument("--seconds", type=float, help="per run (20; the leg's: 10)")
+    parser.add_argument("--rounds", type=int, help="(2; the leg's: 3)")
+    parser.add_argument("--loops", default="asyncio", help="the leg: asyncio, uvloop or both")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "engine_paths")
     args = parser.parse_args(argv)
+    paths = args.paths.split(",")
+    unknown = set(paths) - set(SERVERS + LEG)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; choose from {', '.join(SERVERS + LEG)}")
+    servers = [p for p in paths if p in SERVERS]
+    legs = [p for p in paths if p in LEG]
+    if servers:
+        measure_servers(argparse.Namespace(**vars(args) | {
+            "streams": args.streams or 8, "seconds": args.seconds or 20.0,
+            "rounds": args.rounds or 2}), servers)  # fmt: skip
+    if legs:
+        measure_leg(argparse.Namespace(**vars(args) | {
+            "streams": args.streams or 50, "seconds": args.seconds or 10.0,
+            "rounds": args.rounds or 3}), legs)  # fmt: skip
+    return 0
+
+
+def measure_servers(args: argparse.Namespace, paths: list[str]) -> None:
+    """Each of `paths` (of `SERVERS`): a server on one tiny-s engine, a closed loop against it."""
     args.out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
     upstream_port = free_port()
@@ -148,11 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
     rows: list[dict] = []
     for round_ in range(args.rounds):
-        for path in PATHS:
+        for path in paths:
             port = free_port()
             with ExitStack() as stack:
                 upstream = None
-                if path == "vllm serve":
+                if path == "vllm-serve":
                     command = [
                         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                         str(ROOT / ".models/tiny-s"), "--served-model-name", "tiny-s",
@@ -165,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         vllm_env()))  # fmt: skip
                     served.ready(300)
                     upstream = served.pid
-                deployment = "bench_remote" if path == "vllm serve" else "bench_hosted"
+                deployment = "bench_remote" if path == "vllm-serve" else "bench_hosted"
                 flags = ["--config", str(models), "--h3-port", "0", "--request-log", "off"]
-                flags += ["--separate-engines"] if path == "engine host" else []
+                flags += ["--separate-engines"] if path == "engine-host" else []
                 front = stack.enter_context(launch("serving", serving_command(deployment, port,
                                                    *flags), port, "/readyz",
                                                    args.out / "serving.log"))  # fmt: skip
@@ -181,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds: CPU µs per output token, median over rounds\n")  # fmt: skip
     print("| path | tokens/s | front-end | engine's front | both | EngineCore |")
     print("|---|---|---|---|---|---|")
-    for path in PATHS:
+    for path in paths:
         mine = [r for r in rows if r["path"] == path]
 
         def median(key: str, of: list[dict] = mine) -> float:
@@ -190,7 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         ours, engine = median("front-end"), median("engine front")
         print(f"| {path} | {median('tokens_per_s'):.0f} | {ours:.0f} | {engine:.0f} "
               f"| {ours + engine:.0f} | {median('engine core'):.0f} |")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":
