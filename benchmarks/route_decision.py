@@ -46,7 +46,7 @@ from experiments.harness.output import write_csv
 from experiments.prefix_aware import Scale, counter, seed_requests
 from router.features import OutputPredictor
 from router.paths import estimate_of
-from router.policies import ModelThenReplica, make_policy
+from router.policies import TRAINED, ModelThenReplica, make_policy
 from router.prefix import PrefixAffinity
 from serving.gateway import AUTO, Gateway
 from serving.metrics import Metrics
@@ -231,7 +231,7 @@ def main() -> int:
     parser.add_argument(
         "--before",
         type=Path,
-        default=ROOT / "router" / "trained" / "paper-4gpu-lengths.npz",
+        default=TRAINED / "paper-4gpu-lengths.npz",
         help="a DQN to time beside the first deployment's own (default: the one that reads "
         "request lengths); 'none': skip",
     )

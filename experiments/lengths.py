@@ -63,15 +63,14 @@ from router.evaluate import (
     tune_threshold,
 )
 from router.hindsight import Horizon, clairvoyant
-from router.policies import DqnPolicy, Policy, QualityThreshold, Static
+from router.policies import TRAINED, DqnPolicy, Policy, QualityThreshold, Static
 from router.sim import SHED, Finished
 from workloads.generate import requests
 from workloads.lengths import ALL, HELD_OUT, TRAINING
 
 RATES = GRID_RATES
 ADMISSION_RULES: tuple[Literal["none", "deadline"], ...] = ("none", "deadline")
-POLICY_DIR = Path(__file__).resolve().parent.parent / "router" / "trained"
-COMPARE = (POLICY_DIR / "paper-4gpu-lengths.npz",)
+COMPARE = (TRAINED / "paper-4gpu-lengths.npz",)
 """The DQNs to compare with by default (each column named after its file)."""
 MARGIN = 0.005
 """How far below the tuned threshold policy the DQN may fall."""
@@ -544,7 +543,7 @@ def main() -> int:
         parser.error(f"unknown admission rule(s) {', '.join(unknown)} (none, deadline)")
     if missing := [str(p) for p in args.compare if not p.exists()]:
         parser.error(f"--compare: no such file {', '.join(missing)}")
-    dqn = args.policy_file or Path(deployment.policy_file or POLICY_DIR / f"{deployment.name}.npz")
+    dqn = args.policy_file or Path(deployment.policy_file or TRAINED / f"{deployment.name}.npz")
     others = {_label(p): p for p in args.compare}
     if args.live:
         twin = load_deployment(args.config, args.live_deployment)

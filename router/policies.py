@@ -26,6 +26,9 @@ __all__ = ["PrefixHash", "PrefixAffinity", "PrefixIndex"]  # prefix policies liv
 
 log = logging.getLogger(__name__)
 
+TRAINED = Path(__file__).resolve().parent / "trained"
+"""Where the shipped policy files live (`<deployment>.npz`, and the others kept by name)."""
+
 
 class Policy(Protocol):
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:

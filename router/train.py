@@ -41,7 +41,7 @@ from router.dqn import DoubleDqn, Hyperparameters, ReplayBuffer
 from router.env import RoutingEnv
 from router.evaluate import grid_reward, guard_rewards, training_sampler, validation_reward
 from router.features import Encoder, FeatureEncoder
-from router.policies import DqnPolicy
+from router.policies import TRAINED, DqnPolicy
 from router.sim import Simulator
 from router.stale import StaleSimulator
 from workloads.lengths import TRAINING, Lengths, named
@@ -685,9 +685,8 @@ def main() -> int:
         parser.error("--steps, --episode-requests > 0 and 0 < --min-rate <= --max-rate, please")
     if args.layout == "per-action" and args.action != "model":
         parser.error("--action replica: the per-action layout's actions are the models")
-    package = Path(__file__).resolve().parent
     name = deployment.name + ("-net" if deployment.paths is not None else "")
-    args.out = args.out or package / "trained" / f"{name}.npz"
+    args.out = args.out or TRAINED / f"{name}.npz"
     args.logdir = args.logdir or Path("results") / "router" / name
     policy = pick_checkpoint(args, deployment) if args.pick_best else train(args, deployment)
     print(

@@ -11,6 +11,7 @@ from pathlib import Path
 from config import Deployment
 from router.evaluate import tune_threshold
 from router.policies import (
+    TRAINED,
     DqnPolicy,
     LeastLoad,
     Policy,
@@ -22,7 +23,6 @@ from router.policies import (
     prefix_hash,
 )
 
-DEFAULT_POLICY_DIR = Path(__file__).resolve().parents[2] / "router" / "trained"
 MARGIN = 0.005
 """How far below the best of the others the DQN may fall, on the figures of Chuppala (2024)."""
 
@@ -82,7 +82,7 @@ def baselines(
 
     policies: dict[str, Callable[[], Policy]] = {}
     own = deployment.policy_file if deployment.policy.name == "dqn" else None
-    dqn = dqn or (Path(own) if own else DEFAULT_POLICY_DIR / f"{deployment.name}.npz")
+    dqn = dqn or (Path(own) if own else TRAINED / f"{deployment.name}.npz")
     if want("dqn") and dqn.exists():
         trained = DqnPolicy.load(dqn)
         trained.check_fits(deployment)
