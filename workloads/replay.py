@@ -71,7 +71,6 @@ from workloads.generate import (
     requests,
 )
 from workloads.lengths import ALL as LENGTHS
-from workloads.plots import plot_run
 from workloads.request import Request, load_requests
 from workloads.summary import Outcome, format_summary, summarize
 from workloads.traces import (
@@ -810,6 +809,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
+    # matplotlib is a third of the replay's start-up; a run that fails its arguments never plots.
+    from workloads.plots import plot_run
+
     png = plot_run(record, out.with_suffix(".png"), f"{what} over {args.proto}")
     print(f"wrote {out} and {png}", file=sys.stderr)
     return 0 if summary["errored"] == 0 else 1
