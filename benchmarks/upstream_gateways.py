@@ -10,14 +10,18 @@ each gateway in turn:
   (`--peers-venv`; `--install-peers` makes it with pip; a gateway whose venv lacks it is skipped
   with a note);
 - `direct`: the load straight at one upstream, the baseline for the added TTFT;
-- `ours-2w` (not run unless named): `ours` with `--workers 2`, both workers on the one core.
+- `ours-2w` (not run unless named): `ours` with `--workers 2`, both workers on the one core;
+- `ours-counted` (not run unless named): `ours` whose model is the embedded tiny-s, so that it
+  counts each prompt with the model's tokenizer before it routes (`ours` names
+  facebook/opt-125m, whose tokenizer is not on the machine, and routes uncounted).
 
 Each gateway is pinned to CPU 0 and the load generator, `vllm bench serve` (128 tokens in, 64
 out, chat), to the others. Rounds interleave the gateways, so that the machine's drift falls on
 all of them alike. Gateway CPU (the process and its children) is read from /proc over each
 run. The table: achieved rate, failures, median and p99 TTFT, the median TTFT added over
-`direct` in the same round, and gateway CPU per request, each the median over the rounds. For
-`ours-2w`, the requests each worker served.
+`direct` in the same round, gateway CPU per request, and the gateway's resident memory at idle
+(its whole process tree, 2 s after it is ready, before any load), each the median over the
+rounds. For `ours-2w`, the requests each worker served.
 
     python -m benchmarks.upstream_gateways --install-peers          # 20, 80, 200 req/s, 3 rounds
     python -m benchmarks.upstream_gateways --rates 40 --rounds 1 --gateways ours,direct
@@ -33,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -50,9 +55,9 @@ from benchmarks.common import (
 )
 from experiments.harness.live import VLLM_BENCH
 from serving.launch import ROOT, Launched, free_port, launch
-from transport.process_tree import tree_cpu_seconds
+from transport.process_tree import tree_cpu_seconds, tree_use
 
-GATEWAYS = ("direct", "ours", "ours-2w", "sglang-router", "vllm-router")
+GATEWAYS = ("direct", "ours", "ours-counted", "ours-2w", "sglang-router", "vllm-router")
 DEFAULT_GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
 
 
@@ -62,7 +67,8 @@ def start_gateway(
     port = free_port()
     log = folder / f"{name}.log"
     if name.startswith("ours"):
-        config = remote_config(folder, urls)
+        model = "tiny-s" if name == "ours-counted" else "opt-125m"
+        config = remote_config(folder, urls, model=model)
         command = [sys.executable, "-m", "serving", "--config", str(config),
                    "--deployment", "bench-upstreams", "--port", str(port),
                    "--h3-port", str(free_port(socket.SOCK_DGRAM)),
@@ -119,6 +125,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                         continue
                     url = urls[0] if gateway is None else gateway.url
                     pid = gateway.pid if gateway is not None else None
+                    if pid:
+                        time.sleep(2)  # whatever it does once ready (a first scrape) is done
+                    idle_rss = tree_use(pid).rss_bytes / 2**20 if pid else None
                     before = tree_cpu_seconds(pid) if pid else 0.0
                     try:
                         record = bench(url, rate, args, folder / f"{name}-r{rate:g}-{round_}.json")
@@ -135,6 +144,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                         "p99_ttft_ms": record["p99_ttft_ms"],
                         "cpu_ms_per_request": 1000 * used / max(record["completed"], 1),
                         "cores": used / record["duration"],
+                        "idle_rss_mb": idle_rss,
                     }  # fmt: skip
                     if name == "direct":
                         direct = row
@@ -150,7 +160,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     columns = ["rate", "gateway", "achieved req/s", "failed", "median TTFT", "p99 TTFT",
-               "added median TTFT", "CPU per request", "gateway cores"]  # fmt: skip
+               "added median TTFT", "CPU per request", "gateway cores", "idle RSS"]  # fmt: skip
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     keys = sorted({(r["rate"], GATEWAYS.index(r["gateway"]), r["gateway"]) for r in rows})
     for rate, _, name in keys:
@@ -164,11 +174,12 @@ def table(rows: list[dict]) -> str:
         added = f"{median('added_ttft_ms'):+.1f} ms" if measured else ""
         cpu = "" if name == "direct" else f"{median('cpu_ms_per_request'):.2f} ms"
         cores = "" if name == "direct" else f"{median('cores'):.2f}"
+        rss = "" if name == "direct" else f"{median('idle_rss_mb'):.0f} MB"
         lines.append(
             f"| {rate:g} req/s | {name} | {median('achieved'):.1f} "
             f"| {sum(r['failed'] for r in mine)} "
             f"| {median('median_ttft_ms'):.1f} ms | {median('p99_ttft_ms'):.1f} ms | {added} "
-            f"| {cpu} | {cores} |"
+            f"| {cpu} | {cores} | {rss} |"
         )  # fmt: skip
     for row in rows:
         if "per_worker" in row:

@@ -8,9 +8,11 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from serving.launch import free_port
 from tests.support.servers import Server, launch, null_remote_config, serving_command
@@ -48,6 +50,34 @@ def test_what_the_client_gets_is_what_the_upstream_sent(gateway: Server) -> None
     assert text == "".join(f" t{i}" for i in range(40))
     assert chunks[-1]["usage"]["completion_tokens"] == 40
     assert chunks[-1]["usage"]["prompt_tokens"] == 1  # the upstream's count, relayed
+
+
+def torch_mapped(server: Server) -> bool:
+    """Whether the server process has torch's library in memory (imported, in other words)."""
+    return "libtorch" in Path(f"/proc/{server.process.pid}/maps").read_text()
+
+
+def test_a_gateway_for_remote_replicas_never_loads_torch(
+    gateway: Server, null_upstream: Server, tmp_path: Path
+) -> None:
+    """Neither where it counts prompts with the model's tokenizer (tiny-s's, here), nor where
+    the model's tokenizer is nowhere on the machine: transformers 5's AutoTokenizer imports torch
+    even to fail its lookup, and a gateway that tried it stayed 0.4 GB larger for good."""
+    stream(gateway, 2)
+    assert not torch_mapped(gateway)
+    spec = yaml.safe_load(null_remote_config(tmp_path, null_upstream).read_text())
+    spec["models"]["opt-125m"]["source"] = "example/not-here"  # not even in a cache
+    spec["placements"]["null_remote"][0]["model"] = "opt-125m"
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    port = free_port()
+    command = serving_command(tmp_path / "models.yaml", "null_remote", port, "--h3-port", "0")
+    uncounted = launch("uncounting-gateway", command, port, "/readyz", tmp_path).wait_ready()
+    try:
+        stream(uncounted, 2)
+        assert "prompts are not counted before routing" in uncounted.log.read_text()
+        assert not torch_mapped(uncounted)
+    finally:
+        uncounted.stop()
 
 
 def test_an_upstream_that_dies_mid_stream_ends_in_a_counted_engine_error(

@@ -134,20 +134,43 @@ class PromptCounter:
 
 def load_tokenizer(source: str, local_only: bool = False) -> Any:
     """`source`'s tokenizer, as vLLM would load it (AutoTokenizer), but without importing torch
-    where the files allow: transformers 5's AutoTokenizer imports torch (and with it triton),
-    5.6 s of a twin's 7 s start on this 2-core machine, though counting tokens needs neither.
-    A tokenizer saved as the plain tokenizers backend (the embedded models' are) is loaded as
-    that class directly, in 0.9 s; any other goes through AutoTokenizer (`local_only`: from
-    files already here, never downloading)."""
-    config = Path(source) / "tokenizer_config.json"
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(config.read_text()).get("tokenizer_class") == "TokenizersBackend":
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    where the files allow: transformers 5's AutoTokenizer imports torch (and with it triton), a
+    third of a gigabyte resident and seconds of start-up in a process that runs no engine. A
+    tokenizer saved as the plain tokenizers backend (the embedded models' are, and so is any
+    `PreTrainedTokenizerFast`) is loaded as that class directly; any other goes through
+    AutoTokenizer. `local_only`: from files already here (a folder, or the Hugging Face cache),
+    never downloading; where there are none, OSError before transformers is imported at all."""
+    config = _local_file(source, "tokenizer_config.json")
+    if local_only and config is None and _local_file(source, "tokenizer.json") is None:
+        raise OSError(f"no tokenizer files of {source} on this machine")
+    if config is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(config.read_text()).get("tokenizer_class") in _TOKENIZERS_BACKEND:
+                from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-            return TokenizersBackend.from_pretrained(source)
+                return TokenizersBackend.from_pretrained(source, local_files_only=local_only)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+
+
+_TOKENIZERS_BACKEND = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""Tokenizer classes that are transformers 5's plain tokenizers backend (one class, two names)."""
+
+
+def _local_file(source: str, name: str) -> Path | None:
+    """`source`'s file `name` on this machine: in its folder, or in the Hugging Face cache."""
+    folder = Path(source)
+    if folder.is_dir():
+        return folder / name if (folder / name).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(source, name)
+    except HFValidationError:  # neither a folder here nor a repository's name
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def gateway_counter(deployment: Deployment, remember: bool = False) -> PromptCounter | None:
