@@ -36,12 +36,17 @@ peers pass it through."""
 
 def remote_config(
     folder: Path, urls: list[str], model: str = "opt-125m", served: str = MODEL,
-    name: str = "bench-upstreams", each: Sequence[dict] = (), **settings: object,
+    name: str = "bench-upstreams", each: Sequence[dict] = (), tokenizer: Path | None = None,
+    **settings: object,
 ) -> Path:  # fmt: skip
     """The shipped models.yaml plus a deployment `name`: the upstreams as replicas of one model
     (`model`, served as `served`; `each`: more keys for each one's placement entry), its other
-    settings the `remote` deployment's, then `settings`."""
+    settings the `remote` deployment's, then `settings`. `tokenizer`: a folder the model's
+    source points at, so that the gateway counts prompts with it (the shipped source of
+    opt-125m, a hub name, is not on the machine, and the gateway routes uncounted)."""
     spec = shipped_spec()
+    if tokenizer is not None:
+        spec["models"][model]["source"] = str(tokenizer)
     spec["placements"][name] = [
         {"model": model, "url": url + "/v1", "served_name": served, **(each[i] if each else {})}
         for i, url in enumerate(urls)

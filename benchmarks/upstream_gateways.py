@@ -11,9 +11,9 @@ each gateway in turn:
   with a note);
 - `direct`: the load straight at one upstream, the baseline for the added TTFT;
 - `ours-2w` (not run unless named): `ours` with `--workers 2`, both workers on the one core;
-- `ours-counted` (not run unless named): `ours` whose model is the embedded tiny-s, so that it
-  counts each prompt with the model's tokenizer before it routes (`ours` names
-  facebook/opt-125m, whose tokenizer is not on the machine, and routes uncounted).
+- `ours-counted` (not run unless named): `ours` with the embedded tiny-s's tokenizer in place of
+  opt-125m's, so that it counts each prompt before it routes (`ours` names facebook/opt-125m,
+  whose tokenizer is not on the machine, and routes uncounted).
 
 Each gateway is pinned to CPU 0 and the load generator, `vllm bench serve` (128 tokens in, 64
 out, chat), to the others. Rounds interleave the gateways, so that the machine's drift falls on
@@ -53,8 +53,10 @@ from benchmarks.common import (
     start_upstreams,
     start_vllm,
 )
+from config.schema import TinyBuild
 from experiments.harness.live import VLLM_BENCH
-from serving.launch import ROOT, Launched, free_port, launch
+from serving.embedded import ensure_built
+from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
 from transport.process_tree import tree_cpu_seconds, tree_use
 
 GATEWAYS = ("direct", "ours", "ours-counted", "ours-2w", "sglang-router", "vllm-router")
@@ -67,8 +69,11 @@ def start_gateway(
     port = free_port()
     log = folder / f"{name}.log"
     if name.startswith("ours"):
-        model = "tiny-s" if name == "ours-counted" else "opt-125m"
-        config = remote_config(folder, urls, model=model)
+        tokenizer = None
+        if name == "ours-counted":
+            build = TinyBuild(**shipped_spec()["models"]["tiny-s"]["build"])
+            tokenizer = ensure_built(ROOT / ".models" / "tiny-s", build)
+        config = remote_config(folder, urls, tokenizer=tokenizer)
         command = [sys.executable, "-m", "serving", "--config", str(config),
                    "--deployment", "bench-upstreams", "--port", str(port),
                    "--h3-port", str(free_port(socket.SOCK_DGRAM)),
