@@ -29,6 +29,7 @@ from serving.metrics import Metrics
 from serving.middleware import record_of, request_tag
 from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from serving.render import Answer, Shape, error, error_response, served_by
+from transport import body_send
 from transport.drain import Drain
 from transport.http3 import ResponseNotDelivered
 from transport.qos import DEADLINE, QosRejected, path_of
@@ -40,12 +41,22 @@ log = logging.getLogger(__name__)
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
+class _Api(FastAPI):
+    """FastAPI, offering its server's `send` to the responses that stream, for their bodies to go
+    past the middleware (`transport.body_send`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            body_send.offer(scope, send)
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     gateway: Gateway, lifespan: Lifespan | None = None, drain: Drain | None = None
 ) -> FastAPI:
     """The API. Every HTTP request must reach it tagged (`transport.qos.TagRequests`). `drain`:
     the server's stop, which /readyz reports (`stopping_drain` makes one that speaks OpenAI)."""
-    app = FastAPI(title="QoS-aware LLM serving", lifespan=lifespan)
+    app = _Api(title="QoS-aware LLM serving", lifespan=lifespan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -227,7 +238,7 @@ class GenerationStream(StreamingResponse):
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self._stream(send, body_send.body_send(scope, send))
                     except OSError:
                         pass  # the client is gone; the watcher sees it too
                     else:
@@ -240,6 +251,16 @@ class GenerationStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.generation.aclose()
+
+    async def _stream(self, send: Send, body: Send) -> None:
+        """Starlette's `stream_response`, but each event goes to `body`, past the five of six
+        wrappers that want the response's start only (docs/results/frontend-capacity.md)."""
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send(start | {"headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            data = chunk.encode() if isinstance(chunk, str) else chunk
+            await body({"type": "http.response.body", "body": data, "more_body": True})
+        await body({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class WholeAnswer(JSONResponse):

@@ -39,6 +39,7 @@ from tests.support.servers import (
     write_test_config,
 )
 from tests.support.tiers import starts
+from transport import body_send
 from transport.client import Http3Client, StreamError
 from transport.drain import Drain, Draining
 from transport.http3 import Http3Settings
@@ -232,7 +233,8 @@ def test_sigterm_drains_refuses_and_leaves_no_engine(stopping_server: Server) ->
 
 
 async def _endless_stream(scope: dict, receive: Any, send: Any) -> None:
-    """An event stream that never ends by itself: one event, then it waits for its client."""
+    """An event stream that never ends by itself: one event, then it waits for its client, and
+    sends one more once it is told its client left."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
@@ -240,15 +242,31 @@ async def _endless_stream(scope: dict, receive: Any, send: Any) -> None:
         return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
-    await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    body = body_send.body_send(scope, send)  # `send` itself unless offered
+    await body({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
     while (await receive())["type"] != "http.disconnect":
         pass
+    # Too late: the gate refuses it (StreamCut), and the stream ends with the drain's tail.
+    await body({"type": "http.response.body", "body": b"data: late\n\n", "more_body": False})
 
 
-def test_drain_cuts_what_outlives_it_and_refuses_what_comes_after() -> None:
+def _offering(app: Any) -> Any:
+    """`app`, offered its server's send for bodies past the middleware, as the API is."""
+
+    async def offered(scope: dict, receive: Any, send: Any) -> None:
+        body_send.offer(scope, send)
+        await app(scope, receive, send)
+
+    return offered
+
+
+@pytest.mark.parametrize("past", [False, True], ids=["through", "past-the-middleware"])
+def test_drain_cuts_what_outlives_it_and_refuses_what_comes_after(past: bool) -> None:
     """In process, without engines: a stream that outlives the drain time is cut at its end,
     visibly (the app's tail ends it, over both protocols) and counted; requests after the stop
-    began are refused, and counted."""
+    began are refused, and counted. Alike whether the stream's body goes through the gate's
+    `send` or past the middleware (`transport.body_send`): the gate sees it either way, or it
+    would end a cut stream twice."""
     cut: list[str] = []
     refused: list[str] = []
     drain = Drain(
@@ -258,7 +276,7 @@ def test_drain_cuts_what_outlives_it_and_refuses_what_comes_after() -> None:
     )
     cert, key = ensure_certificate()
     server = DualServer(
-        Draining(_endless_stream, drain),
+        _offering(Draining(_endless_stream, drain)) if past else Draining(_endless_stream, drain),
         Listen("127.0.0.1", 0, 0, drain_s=0.1),
         Http3Settings(str(cert), str(key)),
         "warning",

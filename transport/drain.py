@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from transport import body_send
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,18 @@ class Draining:
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 admitted.finished = True
             await send(message)
+
+        outer_body = body_send.offered(scope)
+        if outer_body is not None:
+            # The same gate for a body sent past the app's middleware (`transport.body_send`).
+            async def gated_body(message: MutableMapping[str, Any]) -> None:
+                if admitted.cut:
+                    raise StreamCut("the server is stopping")
+                if not message.get("more_body"):
+                    admitted.finished = True
+                await outer_body(message)
+
+            body_send.replace(scope, gated_body)
 
         try:
             try:
