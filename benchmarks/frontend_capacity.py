@@ -349,7 +349,8 @@ workers sharing the engine host."""
 @contextlib.contextmanager
 def full(args: argparse.Namespace, results: Path, shape: str) -> Iterator[tuple[int, int, int]]:
     """The real server on paper-4gpu-sim, its times scaled by --time-scale, in `shape`."""
-    extra = ["--time-scale", f"{args.time_scale:g}", "--admission", "none", "--request-log", "off"]
+    extra = ["--time-scale", f"{args.time_scale:g}", "--admission", "none", "--request-log", "off",
+             "--loop", args.loop]  # fmt: skip
     with server(
         args.deployment,
         None,
@@ -529,6 +530,8 @@ def main() -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--deployment", default="paper-4gpu-sim")
     p.add_argument("--time-scale", type=float, default=0.001)
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the full server's event loop (python -m serving --loop)")  # fmt: skip
     p.add_argument(
         "--levels",
         type=lambda s: [int(v) for v in s.split(",")],
