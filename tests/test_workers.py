@@ -262,7 +262,9 @@ def test_every_worker_routes_on_the_whole_servers_arrival_rate(twin_workers: Ser
     # and that is the rate over both workers' arrivals, not its own worker's share.
     latest = max(arrivals, key=lambda line: line["arrival"])["worker"]
     assert gauge == pytest.approx(found(latest, True), rel=0.05)
-    assert gauge > 1.5 * found(latest, False)
+    # Nearer the whole server's rate than the worker's own. Not a fixed ratio: the kernel's
+    # hash once gave the latest worker 72% of the arrivals, and its own rate 0.72 of the whole.
+    assert abs(gauge - found(latest, True)) < abs(gauge - found(latest, False))
 
 
 def test_workers_share_the_engine_host_and_see_each_others_load(twin_workers: Server) -> None:
