@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -48,8 +47,9 @@ import numpy as np
 from benchmarks.common import ASKED, add_peer_arguments, install_peers, report, start_upstreams
 from benchmarks.upstream_gateways import start_gateway
 from config import DEFAULT_PATH, load_deployment
+from experiments.harness import live
 from experiments.harness.live import metric, requests_total, server
-from serving.launch import ROOT
+from transport.process_tree import tree_use
 
 BACKENDS = ("engines", "upstreams")
 GATEWAYS = {
@@ -70,20 +70,15 @@ def replay(url: str, rate: float, seconds: float, seed: int, out: Path, args: ar
     """One open-loop run of `workloads.replay`: its record (per-request outcomes, the client's
     health). Pinned away from CPU 0 where the gateway is pinned there."""
     classes = f"real-time={realtime:g},free-tier={1 - realtime:g}" if realtime else "free-tier"
-    command = [sys.executable, "-m", "workloads.replay", "--proto", args.proto, "--url", url,
-               "--api-key", PREMIUM_KEY, "--arrivals", "poisson", "--rate", f"{rate:g}",
-               "--duration", f"{seconds:g}", "--seed", str(seed), "--classes", classes,
-               "--output-tokens", args.output_tokens, "--timeout", f"{args.timeout:g}",
-               "--connections", str(args.connections), "--cacert", str(ROOT / ".certs" /
-               "cert.pem"), "--out", str(out), "--no-progress"]  # fmt: skip
+    flags = ["--api-key", PREMIUM_KEY, "--arrivals", "poisson", "--rate", f"{rate:g}",
+             "--duration", f"{seconds:g}", "--seed", str(seed), "--classes", classes,
+             "--output-tokens", args.output_tokens, "--timeout", f"{args.timeout:g}",
+             "--connections", str(args.connections)]  # fmt: skip
+    cpus = None
     if args.backend == "upstreams":
-        command += ["--model", ASKED, "--prompt-tokens", "128:128"]
-    cpus = set(range(1, os.cpu_count() or 2)) or {0}
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if args.backend == "upstreams" else None
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, preexec_fn=pin)
-    if done.returncode not in (0, 1) or not out.exists():  # 1: some requests failed
-        raise RuntimeError(f"workloads.replay failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+        flags += ["--model", ASKED, "--prompt-tokens", "128:128"]
+        cpus = set(range(1, os.cpu_count() or 2)) or {0}
+    return live.replay(url, out, *flags, proto=args.proto, cpus=cpus)
 
 
 def judged(record: dict, seconds: float) -> dict:
@@ -129,13 +124,6 @@ def counted(url: str, before: dict, sent: int) -> dict:
 
 def ours_before(url: str) -> dict:
     return {"outcomes": requests_total(url), "cpu": metric(url, "process_cpu_seconds_total")}
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def loop_stalls(url: str) -> int | None:
@@ -266,7 +254,7 @@ def on_upstreams(args: argparse.Namespace) -> list[dict]:
                         ours = gateway.url if name == "ours" else None
                         row = phase(name, what, gateway.url, ours, rate, seconds, seed, folder,
                                     args, args.realtime_share)  # fmt: skip
-                        row |= {"rss_mb": rss_mb(gateway.pid)}
+                        row |= {"rss_mb": tree_use(gateway.pid).rss_bytes / 2**20}
                         if name == "ours":
                             row |= {"loop_stalls": loop_stalls(gateway.url)}
                         rows.append({"scenario": scenario, "gateway": name, "phase": what,
@@ -364,18 +352,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--proto", choices=["h1", "h3"], default="h1")
     p.add_argument("--connections", type=int, default=4, help="h3: QUIC connections")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None,
+                   help="the client's, s (default: 120 on engines, 30 on upstreams)")  # fmt: skip
     engines = p.add_argument_group("engines")
     engines.add_argument("--config", default=str(DEFAULT_PATH))
     engines.add_argument("--deployment", default=None, help="default: models.yaml's default")
     engines.add_argument("--rates", default="8,16,24,32,48,64,96", help="capacity sweep, req/s")
     engines.add_argument("--step-s", type=float, default=30.0, help="seconds per sweep rate")
     engines.add_argument("--output-tokens", default="32:128", help="LO:HI per request")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="the client's, s (default: 120 on engines, 30 on upstreams)",
-    )
     upstreams = p.add_argument_group("upstreams")
     upstreams.add_argument("--scenarios", default=",".join(SCENARIOS))
     upstreams.add_argument("--probe-s", type=float, default=20.0, help="s at 20 req/s, each side")

@@ -132,8 +132,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     pid = gateway.pid if gateway is not None else None
                     if pid:
                         time.sleep(2)  # whatever it does once ready (a first scrape) is done
-                    idle_rss = tree_use(pid).rss_bytes / 2**20 if pid else None
-                    before = tree_cpu_seconds(pid) if pid else 0.0
+                    idle = tree_use(pid) if pid else None
+                    idle_rss = idle.rss_bytes / 2**20 if idle else None
+                    before = idle.cpu_s if idle else 0.0
                     try:
                         record = bench(url, rate, args, folder / f"{name}-r{rate:g}-{round_}.json")
                     finally:

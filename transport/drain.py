@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,34 +167,34 @@ class Draining:
             finally:
                 admitted.receiving.discard(task)
 
-        async def gated_send(message: dict[str, Any]) -> None:
-            if admitted.cut:
-                raise StreamCut("the server is stopping")
-            if message["type"] == "http.response.start":
-                admitted.started = True
-                headers = list(message.get("headers", []))
-                admitted.content_type = next(
-                    (v for k, v in headers if k.lower() == b"content-type"), b""
-                )
-                if drain.draining and scope.get("http_version") != "3":
-                    # The connection will not outlive the drain: let its client know not to
-                    # send another request on it.
-                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                admitted.finished = True
-            await send(message)
+        def started(message: dict[str, Any]) -> dict[str, Any]:
+            admitted.started = True
+            headers = list(message.get("headers", []))
+            admitted.content_type = next(
+                (v for k, v in headers if k.lower() == b"content-type"), b""
+            )
+            if drain.draining and scope.get("http_version") != "3":
+                # The connection will not outlive the drain: let its client know not to send
+                # another request on it.
+                return {**message, "headers": [*headers, (b"connection", b"close")]}
+            return message
 
-        outer_body = body_send.offered(scope)
-        if outer_body is not None:
-            # The same gate for a body sent past the app's middleware (`transport.body_send`).
-            async def gated_body(message: MutableMapping[str, Any]) -> None:
+        def gate(onward: Any) -> Any:
+            async def gated(message: dict[str, Any]) -> None:
                 if admitted.cut:
                     raise StreamCut("the server is stopping")
-                if not message.get("more_body"):
+                if message["type"] == "http.response.start":
+                    message = started(message)
+                elif message["type"] == "http.response.body" and not message.get("more_body"):
                     admitted.finished = True
-                await outer_body(message)
+                await onward(message)
 
-            body_send.replace(scope, gated_body)
+            return gated
+
+        gated_send = gate(send)
+        # The same gate for a body sent past the app's middleware (`transport.body_send`).
+        if (outer_body := body_send.offered(scope)) is not None:
+            body_send.replace(scope, gate(outer_body))
 
         try:
             try:

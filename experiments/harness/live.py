@@ -98,13 +98,16 @@ def metric(url: str, name: str) -> float:
     )
 
 
-def replay(url: str, out: Path, *flags: str, proto: str = "h1") -> dict:
+def replay(
+    url: str, out: Path, *flags: str, proto: str = "h1", cpus: set[int] | None = None
+) -> dict:
     """`python -m workloads.replay` against `url` (HTTP/1.1, or HTTP/3 trusting the server's
-    certificate); returns its JSON record."""
+    certificate), pinned to `cpus` where given; returns its JSON record."""
     trust = ["--cacert", str(ROOT / ".certs" / "cert.pem")] if proto == "h3" else []
     command = [sys.executable, "-m", "workloads.replay", "--proto", proto, "--url", url,
                *trust, "--out", str(out), "--no-progress", *flags]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, preexec_fn=pin)
     if result.returncode == 2 or not out.exists():
         raise RuntimeError(f"replay failed ({result.returncode}):\n{result.stderr[-2000:]}")
     return json.loads(out.read_text())
