@@ -24,11 +24,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from serving import outcomes
+from serving.engines.base import TokenDelta
 from serving.gateway import AUTO, Gateway, GatewayError, Generation
 from serving.metrics import Metrics
 from serving.middleware import record_of, request_tag
 from serving.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from serving.render import Answer, Shape, error, error_response, served_by
+from serving.render import Answer, Relay, Shape, error, error_response, served_by
 from transport import body_send
 from transport.drain import Drain
 from transport.http3 import ResponseNotDelivered
@@ -138,7 +139,7 @@ async def _serve(
     headers = _headers([generation], raw)
     shape = Shape(generation, chat, body.top_logprobs_asked, body.echoes)
     if body.stream:
-        return GenerationStream(generation, shape.sse(body.include_usage), headers)
+        return GenerationStream(generation, shape.sse(body.include_usage, relay=True), headers)
     answer = (await _complete([generation], raw.receive))[0]
     return WholeAnswer([generation], shape.whole(answer), headers)
 
@@ -228,9 +229,13 @@ class GenerationStream(StreamingResponse):
     client has acknowledged everything, and raises if the stream is reset before.
     """
 
-    def __init__(self, generation: Generation, events: AsyncIterator[str], headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream", headers=headers)
+    def __init__(
+        self, generation: Generation, events: AsyncIterator[str | Relay], headers: dict[str, str]
+    ):
+        # Starlette's iterator is left empty: `_stream` sends `events`, which may hold a Relay.
+        super().__init__((), media_type="text/event-stream", headers=headers)
         self.generation = generation
+        self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -254,13 +259,25 @@ class GenerationStream(StreamingResponse):
 
     async def _stream(self, send: Send, body: Send) -> None:
         """Starlette's `stream_response`, but each event goes to `body`, past the five of six
-        wrappers that want the response's start only (docs/results/frontend-capacity.md)."""
+        wrappers that want the response's start only (docs/results/frontend-capacity.md), and
+        the plain chunks from the engine's task (`Generation.relay`)."""
         start = {"type": "http.response.start", "status": self.status_code}
         await send(start | {"headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            data = chunk.encode() if isinstance(chunk, str) else chunk
-            await body({"type": "http.response.body", "body": data, "more_body": True})
+        async for chunk in self.events:
+            if isinstance(chunk, Relay):
+                await self.generation.relay(_writer(chunk.render, body))
+            else:
+                data = chunk.encode()
+                await body({"type": "http.response.body", "body": data, "more_body": True})
         await body({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _writer(render: Callable[[str], str], body: Send) -> Callable[[TokenDelta], Awaitable[None]]:
+    async def write(delta: TokenDelta) -> None:
+        data = render(delta.text).encode()
+        await body({"type": "http.response.body", "body": data, "more_body": True})
+
+    return write
 
 
 class WholeAnswer(JSONResponse):

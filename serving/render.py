@@ -9,8 +9,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 from fastapi.responses import JSONResponse
 
@@ -135,7 +136,13 @@ class Shape:
             "total_tokens": g.prompt_tokens + g.completion_tokens,
         }
 
-    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+    @overload
+    def sse(self, include_usage: bool, relay: Literal[False] = False) -> AsyncIterator[str]: ...
+    @overload
+    def sse(self, include_usage: bool, relay: Literal[True]) -> AsyncIterator[str | Relay]: ...
+
+    async def sse(self, include_usage: bool, relay: bool = False) -> AsyncIterator[str | Relay]:
+        """The answer's events; with `relay`, a `Relay` where its plain chunks begin."""
         # The chunks between the first (which names the role) and the last (its finish reason)
         # differ only in their text: the chunk is rendered once around a placeholder and only
         # the text is encoded per event, to the same bytes. Rendering the whole chunk was the
@@ -157,6 +164,9 @@ class Shape:
                 else:
                     yield head + json.dumps(delta.text) + tail
                 first = False
+                if relay and self.logprobs is None and delta.finish_reason is None:
+                    # The plain chunks to come may be written as they come (`Relay`).
+                    yield Relay(lambda text: head + json.dumps(text) + tail)
             if include_usage:
                 usage_chunk = self._envelope(
                     "chat.completion.chunk" if self.chat else "text_completion", []
@@ -176,6 +186,15 @@ class Shape:
 
 _SLOT = "\x00"
 _SLOT_JSON = json.dumps(_SLOT)
+
+
+@dataclass(frozen=True)
+class Relay:
+    """Yielded by `Shape.sse` where the plain chunks of an answer begin: the event of one with
+    a given text. Its reader may write them from the engine's task (`Generation.relay`) and
+    then go on reading events, or skip it and read every event."""
+
+    render: Callable[[str], str]
 
 
 def event(payload: dict[str, Any]) -> str:

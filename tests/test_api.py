@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 
 import httpx
@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from serving.engines.base import TokenDelta
-from serving.render import Shape, event
+from serving.render import Relay, Shape, event
 from tests.support.processes import ENGINE_CORE, processes_under, thread_cores
 from tests.support.servers import PREMIUM_KEY, Server, wait_until
 
@@ -422,19 +422,45 @@ class _Replayed:
         ]
 
     async def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        for delta in self._deltas:
-            yield delta
+        while self._deltas:
+            yield self._deltas.pop(0)
+
+    async def relay(self, write: Callable[[TokenDelta], Awaitable[None]]) -> None:
+        """As `Generation.relay`: the deltas up to the last go to `write`."""
+        while self._deltas[0].finish_reason is None:
+            await write(self._deltas.pop(0))
 
 
+async def _events(shape: Shape, relay: bool) -> list[str]:
+    """The events `shape` sends, those the engine's task writes (`Relay`) included."""
+    events: list[str] = []
+
+    def writer(render: Callable[[str], str]) -> Callable[[TokenDelta], Awaitable[None]]:
+        async def write(delta: TokenDelta) -> None:
+            events.append(render(delta.text))
+
+        return write
+
+    events_of = shape.sse(False, relay=True) if relay else shape.sse(False)
+    async for e in events_of:
+        if isinstance(e, Relay):
+            await shape.generation.relay(writer(e.render))
+        else:
+            events.append(e)
+    return events
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["iterated", "relayed"])
 @pytest.mark.parametrize("chat", [True, False])
-async def test_each_event_is_its_chunk_rendered_whole(chat: bool) -> None:
+async def test_each_event_is_its_chunk_rendered_whole(chat: bool, relay: bool) -> None:
     # Events between the first and the last are rendered from a template; they must be the bytes
-    # that rendering the whole chunk gives, whatever the text and the (client-chosen) id hold.
+    # that rendering the whole chunk gives, whatever the text and the (client-chosen) id hold,
+    # and whether the response's task sends them or the engine's (`Generation.relay`).
     texts = ["Hi", ' "quoted"', "\\back\\slash", "\x00\n\t", "é ☃ 𝄞", "", "end"]
     for request_id in ["chatcmpl-1", 'a"\\u0000"b', "\x00"]:
         generation = _Replayed(request_id, texts)
         shape = Shape(generation, chat)  # type: ignore[arg-type]
-        events = [e async for e in shape.sse(include_usage=False)]
+        events = await _events(shape, relay)
         whole = [
             event(shape.chunk(t, "stop" if i == len(texts) - 1 else None, i == 0))
             for i, t in enumerate(texts)
