@@ -1,17 +1,19 @@
 """An engine behind any OpenAI-compatible `vllm serve` URL: how the system reaches past one machine.
 
 The upstream leg is on the hot path once per token, so it is built for it (measured in
-docs/results/upstream.md): aiohttp's pooled keep-alive connections, the SSE stream split on its
-blank lines as the bytes arrive, and each event decoded by msgspec straight into the few fields
-read here. The official `openai` client did the same through pydantic models of every chunk, at
-several times the CPU per token. While the server cannot be reached the engine reports itself
-unhealthy; the replica's supervisor (`serving.replicas.Supervisor`, the same for every engine
-kind) then calls `recover`, which probes the server, with backoff until it answers again.
+docs/results/upstream-gateways.md): pooled keep-alive connections whose responses are parsed,
+and split into events, as the bytes arrive (`serving.engines.upstream_http`), and each event
+decoded by msgspec straight into the few fields read here. The official `openai` client did the
+same through pydantic models of every chunk, at several times the CPU per token. While the
+server cannot be reached the engine reports itself unhealthy; the replica's supervisor
+(`serving.replicas.Supervisor`, the same for every engine kind) then calls `recover`, which
+probes the server, with backoff until it answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -33,6 +35,7 @@ from serving.engines.base import (
     TokenDelta,
     UpstreamLoad,
 )
+from serving.engines.upstream_http import UpstreamPool, UpstreamResponse
 from workloads import Request, TokenIds
 
 log = logging.getLogger(__name__)
@@ -105,7 +108,7 @@ class _Open:
     """A request in flight: its response once the upstream has answered, and how many events it
     has read, which the stall watch compares between its rounds."""
 
-    response: aiohttp.ClientResponse | None = None
+    response: UpstreamResponse | None = None
     reads: int = 0
     seen: int = -1
     stalled: bool = False
@@ -117,12 +120,14 @@ class RemoteEngine:
             raise ValueError(f"{config.name}: a remote engine needs a url")
         self.config = config
         self._url = config.url.rstrip("/")
+        origin = urlsplit(self._url)
+        self._path = origin.path
+        self._upstream = UpstreamPool(self._url, KEEPALIVE_S)
         self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._watch: asyncio.Task[None] | None = None
         self._healthy = False
         self._open: dict[str, _Open] = {}
-        origin = urlsplit(self._url)
         # Only the series read here: vLLM's /metrics is prometheus_client's, which renders just
         # the names asked for, where the whole exposition is tens of kilobytes of histograms,
         # rendered by the upstream and read here ten times a second. A server that ignores
@@ -137,7 +142,8 @@ class RemoteEngine:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        # Made on first use: an aiohttp session belongs to the running loop.
+        """For the probe and the load scrape; the generations have `_upstream`. Made on first
+        use: an aiohttp session belongs to the running loop."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
@@ -270,7 +276,7 @@ class RemoteEngine:
         try:
             held.response = await self._start(request, sampling)
             generated = 0
-            async for data in _sse_data(held.response):
+            async for data in held.response.events():
                 held.reads += 1
                 chunk = decode_chunk(data)
                 if chunk.error is not None:
@@ -300,7 +306,7 @@ class RemoteEngine:
             raise EngineError(
                 f"{self.config.name}: no output from {self.config.url} in time"
             ) from exc
-        except aiohttp.ClientError as exc:
+        except OSError as exc:  # the connection ended (UpstreamClosed) or broke
             if held.stalled:  # one slow stream, not proof that the server is gone
                 raise EngineError(
                     f"{self.config.name}: no output from {self.config.url} in time"
@@ -311,12 +317,12 @@ class RemoteEngine:
             raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc!r}") from exc
         finally:
             self._open.pop(request.request_id, None)
-            if held.response is not None and held.response.content.at_eof():
-                held.response.release()  # read to its end: the connection goes back to the pool
-            elif held.response is not None:
-                held.response.close()  # cut: vllm serve aborts a request whose connection closes
+            if held.response is not None:
+                # Read to its end, its connection goes back to the pool; else it is closed, and
+                # vllm serve aborts a request whose connection closes.
+                held.response.release()
 
-    async def _start(self, request: Request, sampling: Sampling) -> aiohttp.ClientResponse:
+    async def _start(self, request: Request, sampling: Sampling) -> UpstreamResponse:
         """Send the request. Failures here mean the server never took it, so another may."""
         chat = isinstance(request.prompt, tuple)
         body: dict[str, Any] = {
@@ -340,21 +346,22 @@ class RemoteEngine:
             body["prompt"] = list(request.prompt.ids)
         else:
             body["prompt"] = request.prompt
-        url = self._url + ("/chat/completions" if chat else "/completions")
+        path = self._path + ("/chat/completions" if chat else "/completions")
         headers = {"content-type": "application/json", "x-request-id": request.request_id}
         try:
             async with asyncio.timeout(self._read_timeout_s):
-                response = await self.session.post(url, data=_encode(body), headers=headers)
+                response = await self._upstream.post(path, _encode(body), headers)
         except TimeoutError:
             raise
-        except aiohttp.ClientError as exc:
+        except OSError as exc:
             self._healthy = False  # until the supervisor's probe finds it
             raise EngineUnavailable(f"{self.config.name}: cannot reach {self.config.url}") from exc
         if response.status == 200:
             return response
         try:
-            error = await response.json(content_type=None)
-        except (aiohttp.ClientError, ValueError):
+            async with asyncio.timeout(self._read_timeout_s):
+                error = json.loads(await response.body())
+        except (OSError, ValueError):  # TimeoutError is an OSError
             error = {}
         finally:
             response.release()
@@ -386,23 +393,9 @@ class RemoteEngine:
         for task in (self._watch, self._scrape):
             if task is not None:
                 task.cancel()
+        self._upstream.close()
         if self._session is not None:
             await self._session.close()
-
-
-async def _sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE stream but `[DONE]`, read to the stream's end (so that its
-    connection can go back to the pool). Bytes are split on the blank line that ends each event
-    as they arrive: one split per read, however many events it holds, where reading line by
-    line costs a call per line."""
-    rest = b""
-    async for received in response.content.iter_any():
-        events = (rest + received).split(b"\n\n")
-        rest = events.pop()
-        for event in events:
-            for line in event.splitlines():
-                if line.startswith(b"data:") and (data := line[5:].strip()) != b"[DONE]":
-                    yield data
 
 
 def _text(error: Any) -> str:
