@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aioquic.h3.connection import H3Connection
+from aioquic.quic.connection import QuicConnection
 
 from tests.support.servers import CERT
 from transport.client import Http3Client, StreamError
@@ -140,3 +141,69 @@ async def test_a_client_that_leaves_between_two_events_gets_nothing_twice() -> N
     assert first == b"".join(event("a", i) for i in range(10))
     assert whole == body("b")
     assert (app.left, app.delivered) == (["a"], ["b"])
+
+
+class StepApp:
+    """Answers every request with a stream that `step` writes to: each joined response gets
+    `per_step` events a step, as an engine step's tokens reach every running request at once."""
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+        self.sends: dict[str, Any] = {}
+        self.joined = asyncio.Event()
+        self.done = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self.sends[scope["path"].strip("/")] = send
+        if len(self.sends) == self.streams:
+            self.joined.set()
+        await self.done.wait()
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def step(self, number: int, per_step: int) -> None:
+        for name, send in self.sends.items():
+            for i in range(per_step):
+                data = f"data: {name} {number} {i}\n\n".encode()
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def test_a_steps_tokens_for_n_streams_leave_in_n_stream_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One pass over the connection's streams a step: each stream's tokens of the step in one
+    # STREAM frame, not a frame (or a transmit) per token.
+    streams, steps, per_step = 8, 5, 3
+    frames: list[tuple[int, int]] = []  # (step, stream id) of each STREAM frame with new bytes
+    current = -1
+    write_stream_frame = QuicConnection._write_stream_frame
+
+    def counted(
+        self: QuicConnection, builder: Any, space: Any, stream: Any, max_offset: int
+    ) -> int:
+        wrote = write_stream_frame(self, builder, space, stream, max_offset=max_offset)
+        if wrote and stream.stream_id % 4 == 0:  # a request's stream, not a control stream
+            frames.append((current, stream.stream_id))
+        return wrote
+
+    monkeypatch.setattr(QuicConnection, "_write_stream_frame", counted)
+    app = StepApp(streams)
+    async with serving(app, "rr") as client:  # type: ignore[arg-type]
+        fetches = [asyncio.ensure_future(fetch(client, f"/s{k}")) for k in range(streams)]
+        await app.joined.wait()
+        await asyncio.sleep(0.05)  # the responses' heads out and acknowledged
+        for number in range(steps):
+            current = number
+            await app.step(number, per_step)
+            await asyncio.sleep(0.02)
+        current = steps
+        app.done.set()
+        bodies = await asyncio.gather(*fetches)
+    for k, got in enumerate(bodies):
+        name = f"s{k}"
+        events = [f"data: {name} {n} {i}\n\n" for n in range(steps) for i in range(per_step)]
+        assert got == ("".join(events) + "data: [DONE]\n\n").encode()
+    for number in range(steps):
+        ids = [stream for step, stream in frames if step == number]
+        assert len(ids) == streams and len(set(ids)) == streams, (number, ids)
