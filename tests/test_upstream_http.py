@@ -162,3 +162,18 @@ async def test_the_request_goes_out_as_http_1_1_with_its_headers_and_body() -> N
         assert any(line.startswith(b"host: 127.0.0.1:") for line in lines)
         assert body == b'{"a": 1}'
         pool.close()
+
+
+async def test_closing_the_pool_ends_a_response_being_read() -> None:
+    async def answer(number: int, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await reader.read()  # the rest never comes: until the client closes
+
+    async with upstream(answer) as (url, _):
+        pool = UpstreamPool(url, keepalive_s=10)
+        response = await pool.post("/v1/completions", b"{}", {})
+        reading = asyncio.ensure_future(anext(response.events()))
+        await asyncio.sleep(0.05)
+        pool.close()
+        with pytest.raises(UpstreamClosed):
+            await asyncio.wait_for(reading, 5)

@@ -281,6 +281,10 @@ class UpstreamPool:
             self.idle.remove(connection)
 
     def close(self) -> None:
+        """Every connection closed; a response still being read raises UpstreamClosed."""
         for connection in list(self._all):
-            connection.done(False)
+            if connection.response is not None:
+                connection.response.close()
+            else:
+                connection.done(False)
         self.idle.clear()
