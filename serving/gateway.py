@@ -455,19 +455,21 @@ class Generation:
                     if self._relay is not None and delta.finish_reason is None:
                         await self._relay_one(self._relay, delta)
                     else:
-                        self._queue.put_nowait(delta)
-                        self._end_relay()
-            self._queue.put_nowait(_END)
-            self._end_relay()
+                        self._put(delta)
+            self._put(_END)
         except Exception as exc:
-            self._queue.put_nowait(exc)
-            self._end_relay()
+            self._put(exc)
         finally:
             # The engine holds the request no more, so neither does its replica, whatever the
             # client has yet to read: a client that died mid-stream holds its response until
             # the connection's idle timeout (a minute over QUIC), and the router and admission
             # control would count it as running all that while.
             self._free_replica()
+
+    def _put(self, item: TokenDelta | BaseException | object) -> None:
+        """Queue `item` for iterating, and end a relay: it is for iterating to yield next."""
+        self._queue.put_nowait(item)
+        self._end_relay()
 
     async def first_token(self) -> None:
         """Wait for the first token under the class's deadline.

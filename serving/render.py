@@ -150,6 +150,7 @@ class Shape:
         # benchmarks.frontend_capacity --profile). The text is the last string in the chunk,
         # after the request id, which a client may choose. Chunks with logprobs differ in more.
         head, _, tail = event(self.chunk(_SLOT, None, False)).rpartition(_SLOT_JSON)
+        plain = Relay(lambda text: head + json.dumps(text) + tail)
         first = True
         offset = 0  # where the chunk's text starts in the whole answer's
         try:
@@ -162,11 +163,10 @@ class Shape:
                     )
                     offset += len(answer.text)
                 else:
-                    yield head + json.dumps(delta.text) + tail
+                    yield plain.render(delta.text)
                 first = False
                 if relay and self.logprobs is None and delta.finish_reason is None:
-                    # The plain chunks to come may be written as they come (`Relay`).
-                    yield Relay(lambda text: head + json.dumps(text) + tail)
+                    yield plain  # the plain chunks to come may be written as they come
             if include_usage:
                 usage_chunk = self._envelope(
                     "chat.completion.chunk" if self.chat else "text_completion", []
