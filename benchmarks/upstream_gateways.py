@@ -11,6 +11,7 @@ each gateway in turn:
   with a note);
 - `direct`: the load straight at one upstream, the baseline for the added TTFT;
 - `ours-2w` (not run unless named): `ours` with `--workers 2`, both workers on the one core;
+- `ours-uvloop` (not run unless named): `ours` on uvloop's event loop (`--loop uvloop`);
 - `ours-counted` (not run unless named): `ours` with the embedded tiny-s's tokenizer in place of
   opt-125m's, so that it counts each prompt before it routes (`ours` names facebook/opt-125m,
   whose tokenizer is not on the machine, and routes uncounted).
@@ -59,7 +60,15 @@ from serving.embedded import ensure_built
 from serving.launch import ROOT, Launched, free_port, launch, shipped_spec
 from transport.process_tree import tree_cpu_seconds, tree_use
 
-GATEWAYS = ("direct", "ours", "ours-counted", "ours-2w", "sglang-router", "vllm-router")
+GATEWAYS = (
+    "direct",
+    "ours",
+    "ours-uvloop",
+    "ours-counted",
+    "ours-2w",
+    "sglang-router",
+    "vllm-router",
+)
 DEFAULT_GATEWAYS = ("direct", "ours", "sglang-router", "vllm-router")
 
 
@@ -80,6 +89,8 @@ def start_gateway(
                    "--request-log", str(folder / f"requests-{name}.jsonl")]  # fmt: skip
         if name == "ours-2w":
             command += ["--workers", "2"]
+        if name == "ours-uvloop":
+            command += ["--loop", "uvloop"]
         ready = "/readyz"
     else:
         binary = peer_command(name, args.peers_venv)

@@ -177,3 +177,19 @@ async def test_closing_the_pool_ends_a_response_being_read() -> None:
         pool.close()
         with pytest.raises(UpstreamClosed):
             await asyncio.wait_for(reading, 5)
+
+
+def test_the_client_reads_on_uvloop() -> None:
+    # `--loop uvloop`: its transports are not asyncio.Transport's subclasses.
+    import uvloop
+
+    async def on_uvloop() -> list[bytes]:
+        async with upstream(always(events(3))) as (url, _):
+            pool = UpstreamPool(url, keepalive_s=10)
+            try:
+                return await read_all(pool)
+            finally:
+                pool.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(on_uvloop()) == [b'{"i": 0}', b'{"i": 1}', b'{"i": 2}']

@@ -28,7 +28,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -156,8 +156,9 @@ class EngineLink(asyncio.Protocol):
             log.info("engine link to %s open", self.path)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # Not an isinstance check: uvloop's transports have asyncio.Transport's methods but not
+        # its class (`--loop uvloop`).
+        self._transport = cast(asyncio.Transport, transport)
         self._reader = FrameReader(self._on_frame)
 
     def connection_lost(self, exc: Exception | None) -> None:
