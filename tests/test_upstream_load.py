@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from serving.engines.base import Sampling
-from serving.engines.remote import RemoteEngine
+from serving.engines.remote import QUIET_SCRAPES, RemoteEngine
 from serving.launch import free_port
 from serving.replicas import Replica, ReplicaSet
 from tests.support.servers import PYTHON, Server, launch, serving_command, wait_until
@@ -137,6 +137,28 @@ async def test_other_clients_load_reaches_the_view_once_and_a_stale_report_is_no
         if ours is not None:
             ours.cancel()
         await asyncio.to_thread(other.close)
+        await engine.close()
+
+
+async def test_a_quiet_upstream_is_read_less_often_until_another_clients_load_shows(
+    null_upstream: Server,
+) -> None:
+    config = dataclasses.replace(replica(null_upstream.url + "/v1"), scrape_s=0.02)
+    engine = RemoteEngine(config)
+    await engine.start()
+    other: OtherClient | None = None
+    try:
+        # Nothing but the gateway's own (no) requests: each report says so, and the next waits
+        # longer, up to QUIET_SCRAPES intervals.
+        await eventually(lambda: engine.scrape_interval == QUIET_SCRAPES * 0.02, "quiet")
+        other = await asyncio.to_thread(OtherClient, null_upstream.url, 1)
+        await eventually(lambda: (load := engine.load()) is not None and load.others == 1, "")
+        for _ in range(5):  # while it shows, every report is read at the configured interval
+            assert engine.scrape_interval == 0.02
+            await asyncio.sleep(0.02)
+    finally:
+        if other is not None:
+            await asyncio.to_thread(other.close)
         await engine.close()
 
 

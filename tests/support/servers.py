@@ -96,6 +96,7 @@ class Server(Launched):
         try:
             self.ready(STARTUP_TIMEOUT_S)
         except NotReady as exc:
+            self.stop()  # the fixture fails here, before the `stop` after its yield
             pytest.fail(str(exc))
         return self
 
