@@ -233,17 +233,25 @@ def replay_load(url: str, out: Path, workload: list[str], args: argparse.Namespa
 
 
 def server_counts(url: str, request_log: Path) -> dict:
+    """The server's outcomes and retries (by reason) from /metrics, and from its request log."""
     outcomes: Counter[str] = Counter()
+    retries: Counter[str] = Counter()
     in_flight = 0.0
     text = httpx.get(url + "/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "serving_requests_total":
                 outcomes[sample.labels["outcome"]] += int(sample.value)
+            elif sample.name == "serving_retries_total":
+                retries[sample.labels["reason"]] += int(sample.value)
             elif sample.name == "serving_replica_in_flight":
                 in_flight += sample.value
-    logged = Counter(json.loads(line)["outcome"] for line in request_log.read_text().splitlines())
-    return {"outcomes": dict(outcomes), "logged": dict(logged), "in_flight": in_flight}
+    lines = [json.loads(line) for line in request_log.read_text().splitlines()]
+    return {
+        "outcomes": dict(outcomes), "logged": dict(Counter(line["outcome"] for line in lines)),
+        "in_flight": in_flight, "retries": dict(retries),
+        "logged_retries": sum(len(line.get("retries") or ()) for line in lines),
+    }  # fmt: skip
 
 
 def storm_row(
@@ -318,6 +326,7 @@ def storm_report(args: argparse.Namespace, rows: list[dict]) -> int:
     lost = [
         r["run"] for r in rows
         if r["in_flight"] or sum(r["outcomes"].values()) != sum(r["logged"].values())
+        or sum(r["retries"].values()) != r["logged_retries"]
         or ("sent" in r and r["sent"] != r["new"])
     ]  # fmt: skip
     print("every request accounted for" if not lost else f"NOT accounted for: {lost}")

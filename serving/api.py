@@ -191,8 +191,10 @@ async def _start(
         path=path_of(raw.scope),
     )
     deadline = raw.scope["extensions"].get(DEADLINE)
+    sampling = body.sampling()
+    raw.state.dispatched = True  # the gateway counts it from here, however it ends
     return await gateway.start(
-        request, body.sampling(), body.model, record, tag.api_key, deadline, index is None
+        request, sampling, body.model, record, tag.api_key, deadline, index is None
     )
 
 
@@ -402,7 +404,7 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return Response(status_code=499)  # nobody reads it; the status is for access logs
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(raw: Request, exc: Exception) -> Response:
         if isinstance(exc, ResponseNotDelivered):
             # The client left (or its stream passed its deadline) while an answer was going
             # out, one written outside the routes, such as the door's 429: nothing went wrong
@@ -410,4 +412,7 @@ def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             log.info("answer not delivered: %s", exc)
             return Response(status_code=499)
         log.exception("unexpected error")
+        # An API request the gateway never took is counted here; one it took, it counted.
+        if raw.url.path.startswith("/v1/") and not getattr(raw.state, "dispatched", False):
+            metrics.rejected(outcomes.INTERNAL, record_of(raw.scope))
         return error(500, "Internal server error; see the server log.", "internal_error")

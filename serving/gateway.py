@@ -27,6 +27,7 @@ from serving.engines.base import (
     InvalidRequest,
     Sampling,
     TokenDelta,
+    UpstreamLost,
 )
 from serving.engines.prompts import PromptCounter
 from serving.key_limits import KeyLimiter, OverLimit, SharedAccounts
@@ -77,6 +78,12 @@ class EngineFailed(GatewayError):
     status, code, outcome = 500, "engine_error", outcomes.ENGINE_ERROR
 
 
+class InternalError(GatewayError):
+    """A fault of the server's own (its traceback is logged), in place of an uncounted 500."""
+
+    status, code, outcome = 500, "internal_error", outcomes.INTERNAL
+
+
 class RateLimited(GatewayError):
     status, code, outcome = 429, "rate_limit_exceeded", outcomes.LIMITED
 
@@ -101,6 +108,31 @@ class Overloaded(GatewayError):
             )
         super().__init__(f"The server is overloaded: {why}. Retry in {shed.retry_after_s} s.")
         self.headers = {"Retry-After": str(shed.retry_after_s)}
+
+
+MAX_RETRIES = 2
+"""How many other replicas a request is sent to after its own failed it before its first token:
+enough to ride out two replicas dying at once, without sending a request whose prompt itself
+breaks engines to every replica."""
+
+
+class RouteAgain(Exception):
+    """A replica failed the request before its first token: nothing reached the client, so the
+    gateway may route it again (`serving_retries_total{reason}`), or else answer with `error`."""
+
+    def __init__(self, reason: str, error: GatewayError) -> None:
+        super().__init__(str(error))
+        self.reason = reason
+        self.error = error
+
+
+def retry_reason(exc: BaseException) -> str:
+    """The `serving_retries_total` reason for an engine's failure before the first token."""
+    if isinstance(exc, EngineUnavailable):
+        return "engine_unavailable"
+    if isinstance(exc, UpstreamLost):
+        return "upstream_lost"
+    return "engine_error"
 
 
 def deadline_exceeded(request: Request, deployment: Deployment) -> DeadlineExceeded:
@@ -171,7 +203,9 @@ class Gateway:
         each prompt judged against the 40 ms one token's SLO allows with the other 15 ahead of it.
 
         Raises a GatewayError, already counted in the metrics, if it cannot be served. A replica
-        that turns out to be down before producing anything is skipped, and the next choice tried.
+        that fails the request before its first token (down, an engine error, its connection
+        lost) is left out and the router asked again, up to MAX_RETRIES times while the class's
+        deadline is still ahead; else the request fails with that replica's error.
         """
         if record is None:
             record = RequestRecord(request.request_id, request.qos_class, request.arrival)
@@ -205,6 +239,10 @@ class Gateway:
             except GatewayError as exc:
                 self.limiter.release(api_key)
                 self._refuse(record, model, exc)
+            except Exception as exc:  # a bug in a policy or admission control: counted, a 500
+                log.exception("routing %s failed", request.request_id)
+                self.limiter.release(api_key)
+                self._refuse(record, model, InternalError(f"Routing failed: {type(exc).__name__}."))
             record.routed = self.clock()
             self._decided(record, request, model, index, rate)
             if deadline is not None and (left := self.encoder.budget(request)) is not None:
@@ -221,10 +259,27 @@ class Gateway:
             try:
                 await generation.first_token()
                 return generation
-            except EngineUnavailable as exc:
-                # Nothing started there, so nothing is lost by trying the next choice.
-                log.warning("%s; trying another replica", exc)
+            except RouteAgain as again:
+                # Nothing reached the client, so nothing is lost by trying the next choice.
                 skipped.add(generation.replica.name)
+                if not self._may_retry(request, model, record, skipped):
+                    self.limiter.release(api_key)
+                    self.metrics.finish(record, again.error.outcome, slo_met=False)
+                    raise again.error from again
+                record.retries.append({"replica": generation.replica.name, "reason": again.reason})
+                self.metrics.retries.labels(again.reason).inc()
+                log.warning("%s; trying another replica (%s)", again, again.reason)
+
+    def _may_retry(
+        self, request: Request, model: str, record: RequestRecord, skipped: set[str]
+    ) -> bool:
+        """Whether a request whose replica failed it goes on at another: a retry is left, its
+        deadline is ahead, and a replica it has not tried is up. Else it fails with the last
+        replica's error, which says more than "no replica" would."""
+        if len(record.retries) == MAX_RETRIES or self.deadline(request) <= self.clock():
+            return False
+        view = self.replicas.view(None if model == AUTO else model, exclude=skipped)
+        return any(r.available for r in view.replicas)
 
     async def _count(
         self, request: Request, record: RequestRecord, model: str, api_key: str | None
@@ -378,7 +433,7 @@ _END = object()
 """Queued after an engine's last delta."""
 
 _RETRIED = "retried"
-"""Not an outcome: the replica could not take the request, which goes on at another."""
+"""Not an outcome: the replica failed the request before its first token (RouteAgain)."""
 
 EARLY_PACE_TOKENS = 8
 """After this many tokens a request tells admission control the pace it has had so far, as well
@@ -475,9 +530,8 @@ class Generation:
         """Wait for the first token under the class's deadline.
 
         However the wait ends other than with a token, the generation is closed and counted,
-        and a GatewayError raised; except EngineUnavailable (the replica could not take the
-        request, so the gateway may try another), and cancellation, which counts as the client
-        leaving.
+        and a GatewayError raised; except an engine's failure (RouteAgain: not counted, for the
+        gateway to try another replica), and cancellation, which counts as the client leaving.
         """
         gateway = self.gateway
         try:
@@ -492,19 +546,25 @@ class Generation:
             await self._fail(deadline_exceeded(self.request, gateway.deployment))
         except InvalidRequest as exc:
             await self._fail(BadRequest(exc.message, exc.param, exc.code))
-        except EngineUnavailable:
-            self._outcome = _RETRIED
-            await self.aclose()
-            raise
+        except EngineUnavailable as exc:
+            await self._route_again(exc, NoReplicaAvailable(str(exc)))
         except (EngineError, StopAsyncIteration) as exc:
             # An engine's own errors already name its replica.
-            await self._fail(EngineFailed(str(exc) or f"{self.replica.name}: no output"))
+            await self._route_again(
+                exc, EngineFailed(str(exc) or f"{self.replica.name}: no output")
+            )
         except Exception as exc:
             log.exception("%s: unexpected error before the first token", self.replica.name)
             await self._fail(EngineFailed(f"{self.replica.name}: {type(exc).__name__}"))
         except BaseException:
             await self.aclose()
             raise
+
+    async def _route_again(self, exc: BaseException, error: GatewayError) -> NoReturn:
+        """Close without counting the request, which goes on elsewhere or fails with `error`."""
+        self._outcome = _RETRIED
+        await self.aclose()
+        raise RouteAgain(retry_reason(exc), error) from exc
 
     async def _next(self) -> TokenDelta:
         item = await self._queue.get()

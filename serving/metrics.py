@@ -100,6 +100,14 @@ class Metrics:
             ["tier", "limit"],
             registry=own,
         )
+        self.retries = Counter(
+            "serving_retries",
+            "Requests routed again because their replica failed them before their first token, "
+            "by why: engine_unavailable (it could not take them), engine_error (it failed "
+            "after taking them), upstream_lost (the connection to its server was lost).",
+            ["reason"],
+            registry=own,
+        )
         self.ttft = Histogram(
             "serving_ttft_seconds",
             "Time from arrival at the server to the first token.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Outcomes of a request. Every request the API accepts ends in exactly one of them.
 OK = "ok"
@@ -20,6 +20,7 @@ SHED = "shed"  # 429: no replica could have given its first token in time (admis
 DRAINING = "draining"  # 503 (HTTP/3: rejected after GOAWAY): it came while the server was stopping
 STOPPED = "stopped"  # still running when the server's drain time ran out, and cut
 WORKER_DIED = "worker_died"  # its worker died first (counted by the supervisor: `Metrics.lost`)
+INTERNAL = "internal"  # 500: a fault of the server's own (a bug), logged with its traceback
 CLIENTS_OWN = frozenset({INVALID, REFUSED, LIMITED, CANCELLED})
 """Outcomes of the client's own making, which say nothing of the server: the dashboard's SLO
 attainment counts them neither for nor against it."""
@@ -51,6 +52,9 @@ class RequestRecord:
     """The client's path as the router saw it (`transport.qos.path_of`): its smoothed RTT..."""
     client_loss: float | None = None
     """...and the share of packets lost to it so far."""
+    retries: list[dict[str, str]] = field(default_factory=list)
+    """Each replica that failed it before its first token, and why (`serving.gateway.retry`),
+    in order; `replica` is the one that served it."""
     open_as: int | None = None
     """While the gateway holds it, its class's cell in this worker's shared row
     (`Metrics.opened`)."""
@@ -86,6 +90,7 @@ class RequestRecord:
                 "tokens": self.tokens,
                 "client_rtt_s": self.client_rtt_s,
                 "client_loss": self.client_loss,
+                "retries": self.retries,
                 "outcome": outcome,
                 "slo_met": slo_met,
                 "worker": worker,

@@ -27,8 +27,9 @@ from serving.engines.base import (
 )
 from serving.engines.prompts import _INLINE_TOKENIZE_CHARS, output_budget
 from serving.engines.simulated import SimulatedCluster, SimulatedEngine
-from serving.gateway import Gateway
+from serving.gateway import MAX_RETRIES, EngineFailed, Gateway
 from serving.metrics import Metrics
+from serving.outcomes import RequestRecord
 from serving.replicas import Backoff, Replica, ReplicaSet, Supervisor
 from tests.support.servers import ROOT, Server, wait_until
 from workloads import Message, Request
@@ -344,6 +345,58 @@ async def test_a_reader_that_stalls_holds_its_replica_no_longer_than_the_engine(
         assert (replica.running, replica.owed) == (0, 0)
         count = gateway.metrics.requests.labels("free-tier", replica.model, "cancelled")
         assert count._value.get() == 1
+    finally:
+        await replicas.close()
+
+
+class First:
+    """A policy that always picks replica 0, so that a test knows where a request goes first."""
+
+    def choose(self, obs, request, view):  # type: ignore[no-untyped-def]
+        return 0
+
+
+async def test_a_replica_that_fails_before_the_first_token_is_left_for_another() -> None:
+    # Replica 0 fails every request at its first token: nothing has reached the client, so the
+    # request is routed again, without 0, and answered whole by the other.
+    failing = deployment().replicas[0].name
+    twin = deployment(Faults(error_rate=1.0, replicas=[failing])).with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    try:
+        gateway = Gateway(twin, replicas, First(), Metrics(replicas))
+        asked = dataclasses.replace(request("again", 1), arrival=time.monotonic())
+        record = RequestRecord(asked.request_id, asked.qos_class, asked.arrival)
+        generation = await gateway.start(asked, EXACT, record=record)
+        deltas = [d async for d in generation]
+        generation.delivered()
+        await generation.aclose()
+        assert generation.replica.name != failing
+        assert sum(d.tokens for d in deltas) == 1 and deltas[-1].finish_reason == "length"
+        assert record.retries == [{"replica": failing, "reason": "engine_error"}]
+        assert gateway.metrics.retries.labels("engine_error")._value.get() == 1
+        served = gateway.metrics.requests.labels("free-tier", generation.model, "ok")
+        assert served._value.get() == 1
+        assert all((r.running, r.owed) == (0, 0) for r in replicas)
+    finally:
+        await replicas.close()
+
+
+async def test_a_request_every_replica_fails_is_retried_twice_then_ends_in_the_last_error() -> None:
+    twin = deployment(Faults(error_rate=1.0), "paper-4gpu-sim").with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    try:
+        gateway = Gateway(twin, replicas, First(), Metrics(replicas))
+        asked = dataclasses.replace(request("doomed", 1), arrival=time.monotonic())
+        record = RequestRecord(asked.request_id, asked.qos_class, asked.arrival)
+        with pytest.raises(EngineFailed, match="simulated failure"):
+            await gateway.start(asked, EXACT, record=record)
+        assert [r["reason"] for r in record.retries] == ["engine_error"] * MAX_RETRIES
+        assert len({r["replica"] for r in record.retries} | {record.replica}) == 3
+        failed = gateway.metrics.requests.labels("free-tier", record.model, "engine_error")
+        assert failed._value.get() == 1
+        assert all((r.running, r.owed) == (0, 0) for r in replicas)
     finally:
         await replicas.close()
 

@@ -113,6 +113,11 @@ class EngineUnavailable(EngineError):
     """The engine is down: it died, or it cannot be reached."""
 
 
+class UpstreamLost(EngineError):
+    """The connection to the engine's server (a `vllm serve`, an engine host) was lost while it
+    held the request."""
+
+
 class Engine(Protocol):
     """One model instance that generates tokens. A replica owns one."""
 

@@ -41,6 +41,7 @@ from serving.engines.base import (
     TokenDelta,
     TokenLogprob,
     UpstreamLoad,
+    UpstreamLost,
 )
 from workloads import Request
 
@@ -168,7 +169,7 @@ class EngineLink(asyncio.Protocol):
             "engine link to %s lost: %d requests in flight fail", self.path, len(self._open)
         )
         for held in self._open.values():
-            held.queue.put_nowait(EngineError(f"lost the engine host at {self.path}"))
+            held.queue.put_nowait(UpstreamLost(f"lost the engine host at {self.path}"))
         self._open.clear()
 
     def data_received(self, data: bytes) -> None:

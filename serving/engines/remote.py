@@ -34,6 +34,7 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
     UpstreamLoad,
+    UpstreamLost,
 )
 from serving.engines.upstream_http import UpstreamPool, UpstreamResponse
 from workloads import Request, TokenIds
@@ -328,7 +329,7 @@ class RemoteEngine:
             if request.request_id not in self._open:  # `abort` closed it
                 raise EngineError(f"{self.config.name}: aborted") from exc
             self._healthy = False  # until the supervisor's probe finds it
-            raise EngineError(f"{self.config.name}: lost {self.config.url}: {exc!r}") from exc
+            raise UpstreamLost(f"{self.config.name}: lost {self.config.url}: {exc!r}") from exc
         finally:
             self._open.pop(request.request_id, None)
             if held.response is not None:
