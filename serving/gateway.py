@@ -231,7 +231,9 @@ class Gateway:
                 view = self._view(model, skipped)
                 admitted = self.admission.check(request, view, now)
                 if isinstance(admitted, Shed):
-                    if sheddable:
+                    # A request sent on from a replica that failed it was let in already: it is
+                    # routed where admission control would send it, not refused after its wait.
+                    if sheddable and not record.retries:
                         raise Overloaded(admitted, request.qos_class)
                     admitted = view
                 index = self._route(request, model, rate, admitted)

@@ -17,7 +17,9 @@ import yaml
 from config import ConfigError, load_deployment, resolve
 from config.deployment import Simulation
 from config.schema import Faults, ModelsFile
+from router.admission import AdmitAll, Shed
 from router.policies import make_policy
+from router.view import ClusterView
 from serving.engines.base import (
     EngineError,
     EngineUnavailable,
@@ -27,7 +29,7 @@ from serving.engines.base import (
 )
 from serving.engines.prompts import _INLINE_TOKENIZE_CHARS, output_budget
 from serving.engines.simulated import SimulatedCluster, SimulatedEngine
-from serving.gateway import MAX_RETRIES, EngineFailed, Gateway
+from serving.gateway import MAX_RETRIES, EngineFailed, Gateway, Overloaded
 from serving.metrics import Metrics
 from serving.outcomes import RequestRecord
 from serving.replicas import Backoff, Replica, ReplicaSet, Supervisor
@@ -378,6 +380,37 @@ async def test_a_replica_that_fails_before_the_first_token_is_left_for_another()
         served = gateway.metrics.requests.labels("free-tier", generation.model, "ok")
         assert served._value.get() == 1
         assert all((r.running, r.owed) == (0, 0) for r in replicas)
+    finally:
+        await replicas.close()
+
+
+class SheddingAfterTheFirst(AdmitAll):
+    """Admission control that lets the first request's first routing in, and sheds after."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def check(self, request: Request, view: ClusterView, now: float) -> ClusterView | Shed:
+        self.checks += 1
+        return view if self.checks == 1 else Shed(estimate_s=9.0, budget_s=1.0)
+
+
+async def test_a_request_sent_on_after_its_replica_failed_it_is_not_shed() -> None:
+    # It was let in once: its second routing is not refused for the wait its first one cost.
+    failing = deployment().replicas[0].name
+    twin = deployment(Faults(error_rate=1.0, replicas=[failing])).with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    try:
+        admission = SheddingAfterTheFirst()
+        gateway = Gateway(twin, replicas, First(), Metrics(replicas), admission=admission)
+        asked = dataclasses.replace(request("again", 1), arrival=time.monotonic())
+        generation = await gateway.start(asked, EXACT)
+        assert [d.finish_reason async for d in generation][-1] == "length"
+        await generation.aclose()
+        assert admission.checks == 2 and generation.replica.name != failing
+        with pytest.raises(Overloaded):  # a new request is shed, as admission control says
+            await gateway.start(dataclasses.replace(asked, request_id="new"), EXACT)
     finally:
         await replicas.close()
 
