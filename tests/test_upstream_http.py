@@ -179,6 +179,29 @@ async def test_closing_the_pool_ends_a_response_being_read() -> None:
             await asyncio.wait_for(reading, 5)
 
 
+async def test_closing_the_pool_ends_a_request_waiting_for_its_head_and_sends_it_nowhere() -> None:
+    # The first request is answered, so the second goes out on the pooled connection; the
+    # server takes that one and answers nothing. Closing the pool ends the wait, and the
+    # request is not sent again on a new connection, as one the upstream dropped would be.
+    async def answer(number: int, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if len(seen) == 1:
+            w.write(events(1))
+        else:
+            await asyncio.sleep(30)
+
+    async with upstream(answer) as (url, seen):
+        pool = UpstreamPool(url, keepalive_s=10)
+        await read_all(pool)
+        waiting = asyncio.ensure_future(pool.post("/v1/completions", b"{}", {}))
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        pool.close()
+        with pytest.raises(UpstreamClosed):
+            await asyncio.wait_for(waiting, 5)
+        await asyncio.sleep(0.1)
+        assert len(seen) == 2
+
+
 def test_the_client_reads_on_uvloop() -> None:
     # `--loop uvloop`: its transports are not asyncio.Transport's subclasses.
     import uvloop

@@ -12,13 +12,15 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from serving.engines.base import Sampling
+from serving.engines.base import EngineError, Sampling
 from serving.engines.remote import QUIET_SCRAPES, RemoteEngine
+from serving.gateway import retry_reason
 from serving.launch import free_port
 from serving.replicas import Replica, ReplicaSet
 from tests.support.servers import PYTHON, Server, launch, serving_command, wait_until
@@ -159,6 +161,36 @@ async def test_a_quiet_upstream_is_read_less_often_until_another_clients_load_sh
     finally:
         if other is not None:
             await asyncio.to_thread(other.close)
+        await engine.close()
+
+
+async def test_a_server_that_answers_nothing_has_its_queued_request_sent_elsewhere(
+    null_upstream: Server,
+) -> None:
+    # Another client holds both of the server's slots, and ours waits in its queue. Then the
+    # server stops answering anything (SIGSTOP): once its reports are stale and none of its
+    # streams has read a thing since the last, it is marked down and ours ends in an error the
+    # gateway routes again, long before the read timeout.
+    config = dataclasses.replace(replica(null_upstream.url + "/v1"), scrape_s=0.05)
+    engine = RemoteEngine(config, read_timeout_s=60)
+    await engine.start()
+    other = await asyncio.to_thread(OtherClient, null_upstream.url, SLOTS)
+    try:
+        await eventually(lambda: (load := engine.load()) is not None and load.running == SLOTS, "")
+        queued = engine.generate(chat(max_tokens=5, request_id="queued"), Sampling())
+        first = asyncio.ensure_future(anext(queued))
+        await eventually(lambda: (load := engine.load()) is not None and load.waiting == 1, "")
+        os.kill(null_upstream.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(EngineError) as failed:
+                await asyncio.wait_for(first, 10)
+            assert retry_reason(failed.value) in ("engine_unavailable", "upstream_lost")
+            assert time.monotonic() - started < 5 and not engine.healthy()
+        finally:
+            os.kill(null_upstream.process.pid, signal.SIGCONT)
+    finally:
+        await asyncio.to_thread(other.close)
         await engine.close()
 
 

@@ -149,6 +149,8 @@ class RemoteEngine:
         self._scrape: asyncio.Task[None] | None = None
         self.scrape_interval = config.scrape_s
         """Seconds to the next /metrics read: `scrape_s`, or up to QUIET_SCRAPES of them."""
+        self._heard: dict[str, int] = {}
+        """At the last load report, each open request's events read (`_silent`)."""
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -220,11 +222,37 @@ class RemoteEngine:
                     now - self._load.at,
                 )
                 self._load = self._load._replace(stale=True)
+                if self._open and self._silent():
+                    self._hung(now - self._load.at)
+            if load is not None:
+                self._heard = {rid: held.reads for rid, held in self._open.items()}
             quiet = load is not None and load.others == 0 and load.waiting == 0
             self.scrape_interval = (
                 min(2 * self.scrape_interval, QUIET_SCRAPES * interval) if quiet else interval
             )
             await asyncio.sleep(max(0.0, self.scrape_interval - (now - started)))
+
+    def _silent(self) -> bool:
+        """Nothing came from the server since its last load report: no request that was open
+        then has ended or read an event, and none opened since has read one."""
+        heard = self._heard
+        return all(rid in self._open for rid in heard) and all(
+            held.reads == heard.get(rid, 0) for rid, held in self._open.items()
+        )
+
+    def _hung(self, silent_s: float) -> None:
+        """The server answers neither its /metrics nor any stream: it is down until its probe
+        finds it again, and every request on it ends now. Those with no token yet are routed
+        again by the gateway, rather than waiting out their deadlines (or the read timeout)
+        on a server that may never answer."""
+        log.warning(
+            "%s: %s answered neither /metrics nor any of its %d streams for %.1f s; marked "
+            "down, its requests sent elsewhere",
+            self.config.name, self.config.url, len(self._open), silent_s,
+        )  # fmt: skip
+        self._healthy = False
+        self._upstream.close()
+        self._upstream = UpstreamPool(self._url, KEEPALIVE_S)
 
     def _parse_load(self, body: bytes, now: float) -> UpstreamLoad | None:
         """The load in a /metrics text, summed over the server's engines; None if it has none

@@ -224,6 +224,7 @@ class UpstreamPool:
         self.idle: list[_Connection] = []
         self._all: set[_Connection] = set()
         self._host_header = origin.netloc.encode()
+        self._closed = False
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send the request; return once the response's head has come. Raises OSError where it
@@ -239,7 +240,7 @@ class UpstreamPool:
         if connection is not None:
             try:
                 return await self._send(connection, head + body)
-            except _NeverTaken:
+            except _NeverTaken:  # sent again on a new connection, unless `close` cut it
                 pass
         return await self._send(await self._connect(), head + body)
 
@@ -253,6 +254,8 @@ class UpstreamPool:
         return None
 
     async def _connect(self) -> _Connection:
+        if self._closed:
+            raise UpstreamClosed("the connection pool is closed")
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(CONNECT_S):
             _, connection = await loop.create_connection(
@@ -283,7 +286,9 @@ class UpstreamPool:
             self.idle.remove(connection)
 
     def close(self) -> None:
-        """Every connection closed; a response still being read raises UpstreamClosed."""
+        """Every connection closed; a response still being read, or a request still waiting
+        for its response's head, raises UpstreamClosed. A closed pool sends nothing more."""
+        self._closed = True
         for connection in list(self._all):
             if connection.response is not None:
                 connection.response.close()
