@@ -67,6 +67,6 @@ async def test_a_fault_of_the_servers_own_is_a_500_counted_as_internal(
     assert [line["outcome"] for line in logged] == ["internal", "internal"]
     assert "serving_replica_in_flight" in metrics
     for family in text_string_to_metric_families(metrics):
-        if family.name in ("serving_replica_in_flight", "serving_open_requests"):
+        if family.name == "serving_replica_in_flight":
             assert all(sample.value == 0 for sample in family.samples), family
     assert ready is not None

@@ -9,12 +9,13 @@ import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 import yaml
 
-from config import ConfigError, load_deployment, resolve
+from config import ConfigError, Deployment, load_deployment, resolve
 from config.deployment import Simulation
 from config.schema import Faults, ModelsFile
 from router.admission import AdmitAll, Shed
@@ -351,6 +352,26 @@ async def test_a_reader_that_stalls_holds_its_replica_no_longer_than_the_engine(
         await replicas.close()
 
 
+@asynccontextmanager
+async def twin_failing(
+    faults: Faults, name: str = "embedded-sim"
+) -> AsyncIterator[tuple[Deployment, ReplicaSet]]:
+    """The twin `name` with `faults`, at a hundredth of its profile's step times, its engines
+    started until the block ends."""
+    twin = deployment(faults, name).with_time_scale(0.01)
+    replicas = ReplicaSet.from_deployment(twin)
+    await replicas.start()
+    try:
+        yield twin, replicas
+    finally:
+        await replicas.close()
+
+
+def first_fails() -> Faults:
+    """Replica 0 fails every request at its first token (one token asked for); the others none."""
+    return Faults(error_rate=1.0, replicas=[deployment().replicas[0].name])
+
+
 class First:
     """A policy that always picks replica 0, so that a test knows where a request goes first."""
 
@@ -361,11 +382,8 @@ class First:
 async def test_a_replica_that_fails_before_the_first_token_is_left_for_another() -> None:
     # Replica 0 fails every request at its first token: nothing has reached the client, so the
     # request is routed again, without 0, and answered whole by the other.
-    failing = deployment().replicas[0].name
-    twin = deployment(Faults(error_rate=1.0, replicas=[failing])).with_time_scale(0.01)
-    replicas = ReplicaSet.from_deployment(twin)
-    await replicas.start()
-    try:
+    async with twin_failing(first_fails()) as (twin, replicas):
+        failing = twin.replicas[0].name
         gateway = Gateway(twin, replicas, First(), Metrics(replicas))
         asked = dataclasses.replace(request("again", 1), arrival=time.monotonic())
         record = RequestRecord(asked.request_id, asked.qos_class, asked.arrival)
@@ -380,8 +398,6 @@ async def test_a_replica_that_fails_before_the_first_token_is_left_for_another()
         served = gateway.metrics.requests.labels("free-tier", generation.model, "ok")
         assert served._value.get() == 1
         assert all((r.running, r.owed) == (0, 0) for r in replicas)
-    finally:
-        await replicas.close()
 
 
 class SheddingAfterTheFirst(AdmitAll):
@@ -397,11 +413,8 @@ class SheddingAfterTheFirst(AdmitAll):
 
 async def test_a_request_sent_on_after_its_replica_failed_it_is_not_shed() -> None:
     # It was let in once: its second routing is not refused for the wait its first one cost.
-    failing = deployment().replicas[0].name
-    twin = deployment(Faults(error_rate=1.0, replicas=[failing])).with_time_scale(0.01)
-    replicas = ReplicaSet.from_deployment(twin)
-    await replicas.start()
-    try:
+    async with twin_failing(first_fails()) as (twin, replicas):
+        failing = twin.replicas[0].name
         admission = SheddingAfterTheFirst()
         gateway = Gateway(twin, replicas, First(), Metrics(replicas), admission=admission)
         asked = dataclasses.replace(request("again", 1), arrival=time.monotonic())
@@ -411,15 +424,10 @@ async def test_a_request_sent_on_after_its_replica_failed_it_is_not_shed() -> No
         assert admission.checks == 2 and generation.replica.name != failing
         with pytest.raises(Overloaded):  # a new request is shed, as admission control says
             await gateway.start(dataclasses.replace(asked, request_id="new"), EXACT)
-    finally:
-        await replicas.close()
 
 
 async def test_a_request_every_replica_fails_is_retried_twice_then_ends_in_the_last_error() -> None:
-    twin = deployment(Faults(error_rate=1.0), "paper-4gpu-sim").with_time_scale(0.01)
-    replicas = ReplicaSet.from_deployment(twin)
-    await replicas.start()
-    try:
+    async with twin_failing(Faults(error_rate=1.0), "paper-4gpu-sim") as (twin, replicas):
         gateway = Gateway(twin, replicas, First(), Metrics(replicas))
         asked = dataclasses.replace(request("doomed", 1), arrival=time.monotonic())
         record = RequestRecord(asked.request_id, asked.qos_class, asked.arrival)
@@ -430,8 +438,6 @@ async def test_a_request_every_replica_fails_is_retried_twice_then_ends_in_the_l
         failed = gateway.metrics.requests.labels("free-tier", record.model, "engine_error")
         assert failed._value.get() == 1
         assert all((r.running, r.owed) == (0, 0) for r in replicas)
-    finally:
-        await replicas.close()
 
 
 async def _until(predicate: Callable[[], bool]) -> None:

@@ -13,7 +13,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import httpx
 import pytest
@@ -127,12 +128,9 @@ async def test_other_clients_load_reaches_the_view_once_and_a_stale_report_is_no
         await asyncio.sleep(0.2)  # several more reports: ours must never count twice
         assert view().replicas[0].running == 2 and engine.load().others == 1  # type: ignore[union-attr]
 
-        os.kill(null_upstream.process.pid, signal.SIGSTOP)  # reports stop; requests stay
-        try:
+        with stopped(null_upstream):  # reports stop; requests stay
             await eventually(lambda: engine.load().stale, "the report to go stale")  # type: ignore[union-attr]
             assert view().replicas[0].running == 1  # the gateway's own count only
-        finally:
-            os.kill(null_upstream.process.pid, signal.SIGCONT)
         await eventually(lambda: not engine.load().stale, "reports again")  # type: ignore[union-attr]
         assert view().replicas[0].running == 2
     finally:
@@ -142,26 +140,48 @@ async def test_other_clients_load_reaches_the_view_once_and_a_stale_report_is_no
         await engine.close()
 
 
+@asynccontextmanager
+async def scraping(upstream: Server, scrape_s: float) -> AsyncIterator[RemoteEngine]:
+    """A remote engine for `upstream` that reads its load every `scrape_s`, started."""
+    engine = RemoteEngine(dataclasses.replace(replica(upstream.url + "/v1"), scrape_s=scrape_s))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+@asynccontextmanager
+async def other_clients(upstream: Server, count: int) -> AsyncIterator[OtherClient]:
+    other = await asyncio.to_thread(OtherClient, upstream.url, count)
+    try:
+        yield other
+    finally:
+        await asyncio.to_thread(other.close)
+
+
+@contextmanager
+def stopped(server: Server) -> Iterator[None]:
+    """`server` answers nothing (SIGSTOP) until the block ends; its connections stay open."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
 async def test_a_quiet_upstream_is_read_less_often_until_another_clients_load_shows(
     null_upstream: Server,
 ) -> None:
-    config = dataclasses.replace(replica(null_upstream.url + "/v1"), scrape_s=0.02)
-    engine = RemoteEngine(config)
-    await engine.start()
-    other: OtherClient | None = None
-    try:
+    async with scraping(null_upstream, 0.02) as engine:
         # Nothing but the gateway's own (no) requests: each report says so, and the next waits
         # longer, up to QUIET_SCRAPES intervals.
         await eventually(lambda: engine.scrape_interval == QUIET_SCRAPES * 0.02, "quiet")
-        other = await asyncio.to_thread(OtherClient, null_upstream.url, 1)
-        await eventually(lambda: (load := engine.load()) is not None and load.others == 1, "")
-        for _ in range(5):  # while it shows, every report is read at the configured interval
-            assert engine.scrape_interval == 0.02
-            await asyncio.sleep(0.02)
-    finally:
-        if other is not None:
-            await asyncio.to_thread(other.close)
-        await engine.close()
+        async with other_clients(null_upstream, 1):
+            await eventually(lambda: (load := engine.load()) is not None and load.others == 1, "")
+            for _ in range(5):  # while it shows, every report is read at the configured interval
+                assert engine.scrape_interval == 0.02
+                await asyncio.sleep(0.02)
 
 
 async def test_a_server_that_answers_nothing_has_its_queued_request_sent_elsewhere(
@@ -170,28 +190,18 @@ async def test_a_server_that_answers_nothing_has_its_queued_request_sent_elsewhe
     # Another client holds both of the server's slots, and ours waits in its queue. Then the
     # server stops answering anything (SIGSTOP): once its reports are stale and none of its
     # streams has read a thing since the last, it is marked down and ours ends in an error the
-    # gateway routes again, long before the read timeout.
-    config = dataclasses.replace(replica(null_upstream.url + "/v1"), scrape_s=0.05)
-    engine = RemoteEngine(config, read_timeout_s=60)
-    await engine.start()
-    other = await asyncio.to_thread(OtherClient, null_upstream.url, SLOTS)
-    try:
+    # gateway routes again, long before the read timeout (60 s).
+    async with scraping(null_upstream, 0.05) as engine, other_clients(null_upstream, SLOTS):
         await eventually(lambda: (load := engine.load()) is not None and load.running == SLOTS, "")
         queued = engine.generate(chat(max_tokens=5, request_id="queued"), Sampling())
         first = asyncio.ensure_future(anext(queued))
         await eventually(lambda: (load := engine.load()) is not None and load.waiting == 1, "")
-        os.kill(null_upstream.process.pid, signal.SIGSTOP)
-        try:
+        with stopped(null_upstream):
             started = time.monotonic()
             with pytest.raises(EngineError) as failed:
                 await asyncio.wait_for(first, 10)
             assert retry_reason(failed.value) in ("engine_unavailable", "upstream_lost")
             assert time.monotonic() - started < 5 and not engine.healthy()
-        finally:
-            os.kill(null_upstream.process.pid, signal.SIGCONT)
-    finally:
-        await asyncio.to_thread(other.close)
-        await engine.close()
 
 
 @pytest.fixture(scope="module")
