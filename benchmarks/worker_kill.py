@@ -4,7 +4,9 @@ it costs.
 `python -m serving --deployment paper-4gpu-sim --workers 2` (the twin at its own speed, engines
 in the engine host) takes an open-loop Poisson load from `workloads.replay` (`--rate` req/s for
 `--duration` s, HTTP/1.1 by default, a connection per request so that requests spread over the
-workers), and `--kill-at` seconds in, worker 0 is SIGKILLed. Reported against the
+workers), and `--kill-at` seconds in, a worker is SIGKILLed: over HTTP/3 the one holding the
+most of the client's connections (the kernel spreads them by their ports, so worker 0 may hold
+none), over HTTP/1.1 worker 0. Reported against the
 targets for several workers:
 - the requests that failed at the client, and on which worker the server had them: none on the
   other worker, each failure one the client saw;
@@ -14,7 +16,16 @@ targets for several workers:
   log, or lost with the killed worker (a client-side failure with no log line); and against
   what /metrics counted, where those lost are `worker_died`.
 
+Over HTTP/3 (`--proto h3`, 8 QUIC connections) it also follows each client connection the
+kill cut (`affected`): when the client learnt of it, by the stateless reset of the supervisor
+standing in for the worker or of the restarted worker (`reset_s`, from the kill), and when that
+connection's slot was served again, the first token of its next successful request
+(`next_served_s`, from the kill). The failed requests are split into those sent before the kill
+and those sent after it, before their client learnt. `wall_s` is the whole run, server start
+included.
+
     python -m benchmarks.worker_kill                      # 48 req/s, 60 s, kill at 20 s
+    python -m benchmarks.worker_kill --proto h3 --duration 30 --kill-at 10
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from experiments.harness.live import requests_total
 from serving.launch import ROOT, free_port, launch
 
@@ -39,6 +52,31 @@ def worker_pid(log: Path, worker: int) -> int | None:
     """The pid of the worker's last start, as the supervisor logged it."""
     started = re.findall(rf"worker {worker} started \(pid (\d+)\)", log.read_text(errors="replace"))
     return int(started[-1]) if started else None
+
+
+def worker_ready(log: Path, worker: int, pid: int) -> bool:
+    return f"worker {worker} ready (pid {pid})" in log.read_text(errors="replace")
+
+
+def busiest_worker(log: Path) -> int:
+    """The worker that made the most QUIC connections so far, by aioquic's log line for each;
+    0 if none."""
+    line = r"\[worker (\d+)\] quic: \[\w+\] Negotiated protocol"
+    made = Counter(re.findall(line, log.read_text(errors="replace")))
+    return int(made.most_common(1)[0][0]) if made else 0
+
+
+def stand_in(log: Path, worker: int) -> dict[str, int] | None:
+    """What the supervisor answered on the worker's socket while it was down."""
+    said = re.findall(
+        rf"stood in for worker {worker} while it was down: (\d+) resets, (\d+) connections "
+        r"refused, (\d+) answers held back",
+        log.read_text(errors="replace"),
+    )
+    if not said:
+        return None
+    resets, refused, held = (int(n) for n in said[-1])
+    return {"resets": resets, "refused": refused, "held_back": held}
 
 
 def engine_host(pid: int) -> int | None:
@@ -62,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "worker_kill")
     args = parser.parse_args(argv)
+    began = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     requests_log = args.out / "requests.jsonl"
     requests_log.unlink(missing_ok=True)
@@ -116,17 +155,21 @@ def main(argv: list[str] | None = None) -> int:
             load += ["--connections", "8"]
         client = subprocess.Popen(load, cwd=ROOT, stdout=subprocess.DEVNULL)
         time.sleep(args.kill_at)
-        victim = worker_pid(server_log, 0)
-        assert victim is not None, "no worker 0 in the server's log"
-        killed_at = time.monotonic()
+        index = busiest_worker(server_log) if args.proto == "h3" else 0
+        victim = worker_pid(server_log, index)
+        assert victim is not None, f"no worker {index} in the server's log"
+        killed_at, killed_wall = time.monotonic(), time.time()
         os.kill(victim, signal.SIGKILL)
-        restart_s = None
-        while time.monotonic() - killed_at < 30:
-            if worker_pid(server_log, 0) not in (victim, None):
+        restart_s = ready_s = None
+        while time.monotonic() - killed_at < 30 and ready_s is None:
+            successor = worker_pid(server_log, index)
+            if restart_s is None and successor not in (victim, None):
                 restart_s = time.monotonic() - killed_at
-                break
+            if successor not in (victim, None) and worker_ready(server_log, index, successor):
+                ready_s = time.monotonic() - killed_at
             time.sleep(0.02)
         client.wait()
+        wall_s = time.monotonic() - began
         host_after = engine_host(server.pid)
         counted = dict(requests_total(f"http://127.0.0.1:{port}"))
     replay = json.loads((args.out / "replay.json").read_text())
@@ -141,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [r for r in replay["requests"] if r["error_kind"] is not None]
     failed_where = Counter(where(r) for r in failed)
+    kill_s = killed_wall - replay["run_started"]  # on the replay's clock
     sent = len(replay["requests"])
     client_ok = sum(1 for r in replay["requests"] if r["error_kind"] is None)
     server_ok = sum(1 for line in logged.values() if line["outcome"] == "ok")
@@ -155,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         "metrics_outcomes": counted,
         "metrics_total": sum(counted.values()),
         "restart_s": restart_s,
+        "ready_s": ready_s,
+        "killed_worker": index,
+        "stand_in": stand_in(server_log, index),
+        "failed_sent_before_kill": sum(r["arrival_s"] + r["lag_s"] <= kill_s for r in failed),
+        "failed_sent_after_kill": sum(r["arrival_s"] + r["lag_s"] > kill_s for r in failed),
+        **(cut_connections(replay["requests"], kill_s) if args.proto == "h3" else {}),
+        "wall_s": wall_s,
         "engine_host_before": host_before,
         "engine_host_after": host_after,
         "args": {k: str(v) for k, v in vars(args).items()},
@@ -162,6 +213,41 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "worker_kill.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return 0
+
+
+def cut_connections(requests: list[dict], kill_s: float) -> dict:
+    """Per client connection that failed requests (`slot.generation`): when its client learnt
+    (its failures' end, all at once on a reset), and when its slot next served a first token."""
+    affected: dict[str, list[dict]] = {}
+    for r in requests:
+        if r["error_kind"] is not None and r["connection"]:
+            affected.setdefault(r["connection"], []).append(r)
+    cut = {}
+    for name, lost in sorted(affected.items()):
+        slot, generation = (int(part) for part in name.split("."))
+        served = [
+            r["arrival_s"] + r["lag_s"] + r["credit_wait_s"] + r["ttft_s"] - kill_s
+            for r in requests
+            if r["error_kind"] is None
+            and r["connection"]
+            and int(r["connection"].split(".")[0]) == slot
+            and int(r["connection"].split(".")[1]) > generation
+        ]
+        cut[name] = {
+            "failed": len(lost),
+            "reset_s": max(r["end_s"] for r in lost) - kill_s,
+            "next_served_s": min(served, default=None),
+            "errors": sorted({r["error"] for r in lost}),
+        }
+    served_again = [c["next_served_s"] for c in cut.values()]
+    known = [s for s in served_again if s is not None]
+    return {
+        "affected": cut,
+        "affected_never_served_again": len(served_again) - len(known),
+        "next_served_p99_s": float(np.percentile(known, 99)) if known else None,
+        "next_served_max_s": max(known, default=None),
+        "reset_max_s": max((c["reset_s"] for c in cut.values()), default=None),
+    }
 
 
 if __name__ == "__main__":

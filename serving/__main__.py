@@ -19,6 +19,7 @@ from transport.cli import add_server_arguments, prepare
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import QosClassifier
 from transport.server import DualServer, Listen, serve_forever
+from transport.stateless_reset import ResetKey
 from transport.workers import supervise
 
 
@@ -115,7 +116,7 @@ def main() -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     if args.worker_index is None and (args.workers > 1 or args.separate_engines):
-        return _supervise(args, deployment, setup.listen)
+        return _supervise(args, deployment, setup.listen, setup.reset_key)
     _route_request_log(args.request_log)
     # Imported after the checks: it pulls in the engine stack.
     from serving.app import build_app
@@ -156,7 +157,9 @@ def _forget(view: SharedView, index: int, pid: int) -> None:
     multiprocess.mark_process_dead(pid, str(view.metrics))
 
 
-def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen) -> int:
+def _supervise(
+    args: argparse.Namespace, deployment: Deployment, listen: Listen, reset_key: ResetKey | None
+) -> int:
     """Run the workers (and the engine host, for engines that are not remote) until stopped."""
     view = SharedView.create(deployment, args.workers)
     argv = [a for a in sys.argv[1:] if a != "--separate-engines"]
@@ -170,8 +173,8 @@ def _supervise(args: argparse.Namespace, deployment: Deployment, listen: Listen)
             host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []
             with hosted(host) as link:
                 argv += ["--engine-host", link]
-                return supervise("serving", argv, listen, args.workers, forget, env)
-        return supervise("serving", argv, listen, args.workers, forget, env)
+                return supervise("serving", argv, listen, args.workers, forget, env, reset_key)
+        return supervise("serving", argv, listen, args.workers, forget, env, reset_key)
     finally:
         view.close(remove=True)
 

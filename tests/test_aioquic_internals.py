@@ -16,6 +16,7 @@ import inspect
 
 import pytest
 from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketRecovery
@@ -23,15 +24,18 @@ from aioquic.quic.stream import QuicStream
 from hypercorn.protocol.h2 import H2Protocol
 
 CONNECTION = (
+    "_close_event",  # a stateless reset or a refusal ends the connection with its own
     "_configuration",  # transport.client, transport.masque: the peer's settings
     "_datagrams_pending",  # transport.eloquent.driver: which token datagrams still wait
     "_events",  # transport.connection, transport.http3: events queued for the protocol
     "_handshake_complete",
     "_handshake_confirmed",
+    "_host_cids",  # the IDs this end issued: their reset tokens come from the reset key
     "_local_max_streams_bidi",  # transport.http3 raises it (aioquic has no setting)
     "_local_next_stream_id_bidi",  # transport.client: streams left before MAX_STREAMS
     "_loss",  # adopt() swaps its class to count losses; the RTT is read from it
     "_network_paths",
+    "_peer_cid",  # its stateless_reset_token is checked against every datagram
     "_remote_max_streams_bidi",
     "_spaces",  # the ACK timer reads the 1-RTT space
     "_state",
@@ -44,6 +48,14 @@ SENDER = ("_acked", "_acked_fin", "_buffer", "_buffer_fin", "_buffer_start", "_b
           "_pending", "_pending_eof", "_stream_id")  # fmt: skip
 RECEIVER = ("_buffer_start", "_stream_id", "highest_offset")
 PROTOCOL = ("_quic", "_transport", "_closed", "_handle_timer", "_process_events")
+
+SERVER = ("_configuration", "_create_protocol", "_loop", "_protocols", "_transport")
+"""A QuicServer's: `ResettingQuicServer` answers for connection IDs missing from `_protocols`."""
+CALLED = {
+    (QuicConnection, "_close_end"): (),
+    (QuicConnection, "_replenish_connection_ids"): (),
+}
+"""Methods the project calls (or overrides and calls through super()) with no arguments."""
 
 OVERRIDDEN = {
     (QuicConnection, "_on_max_stream_data_delivery"): ("delivery", "stream"),
@@ -115,3 +127,22 @@ def test_an_overridden_method_keeps_the_parameters_it_is_called_with(
 def test_hypercorns_http2_protocol_still_handles_its_events_in_one_method() -> None:
     """transport.server wraps it to tolerate a stream the client reset."""
     assert inspect.iscoroutinefunction(H2Protocol._handle_events)
+
+
+async def test_the_server_keeps_what_the_resetting_server_reads() -> None:
+    server = QuicServer(configuration=QuicConfiguration(is_client=False))
+    missing = [n for n in SERVER if not hasattr(server, n)]
+    assert not missing, f"aioquic's QuicServer lost {missing}"
+    assert QuicConfiguration.connection_id_length == 8  # the supervisor's stand-in assumes it
+
+
+@pytest.mark.parametrize(("owner", "method"), list(CALLED))
+def test_a_method_called_without_arguments_still_takes_none(owner: type, method: str) -> None:
+    parameters = inspect.signature(getattr(owner, method)).parameters
+    assert list(parameters) == ["self"], f"{owner.__name__}.{method} now takes {parameters}"
+
+
+def test_the_first_connection_ids_token_is_what_the_transport_parameters_carry() -> None:
+    """sign_connection_ids() must run before the parameters are serialized: they read it."""
+    source = inspect.getsource(QuicConnection._serialize_transport_parameters)
+    assert "self._host_cids[0].stateless_reset_token" in source

@@ -30,7 +30,7 @@ from tests.support.servers import (
 )
 from tests.support.servers import write_test_config as write_config
 from tests.support.tiers import starts
-from transport.client import Http3Client
+from transport.client import Http3Client, Http3Pool, StreamError
 from transport.workers import _without_workers
 from workloads.chat import chat_body, chat_h3
 
@@ -143,6 +143,70 @@ def test_a_killed_worker_is_restarted_and_the_others_connection_carries_on(
         if killed in served:
             break
     assert killed in served
+
+
+RESET_WITHIN_S = 1.0
+"""The issue's bound on a reset, from the client's next packet: without resets the client
+hears nothing until its idle timeout, a minute."""
+
+
+def died(server: Server, worker: int, pid: int) -> bool:
+    return f"worker {worker} (pid {pid}) exited" in server.log.read_text()
+
+
+def serves(server: Server, worker: int) -> bool:
+    """Whether the worker's latest process has said it serves (a byte on its ready pipe)."""
+    pid = worker_pids(server)[worker]
+    return f"worker {worker} ready (pid {pid})" in server.log.read_text()
+
+
+def test_a_killed_workers_client_is_reset_and_connects_again_to_one_that_serves(
+    workers: Server,
+) -> None:
+    """The supervisor stands in for the dead worker: the client's next packet is answered with
+    a stateless reset, its request fails with a clear error, and the pool's next request goes
+    out on a new connection (refused on the dead worker's socket, served on the other's)."""
+    assert workers.h3_port is not None
+
+    async def through_the_kill() -> str:
+        async with Http3Pool("localhost", workers.h3_port, 1, verify=str(CERT)) as pool:
+            mine = await h3_worker(workers, pool.clients[0])
+            pid = worker_pids(workers)[mine]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: died(workers, mine, pid), 5, "the supervisor to see the death")
+            assert serves(workers, 1 - mine)
+            with pytest.raises(StreamError) as reset:
+                async with asyncio.timeout(RESET_WITHIN_S):
+                    await chat_h3(pool, chat_body(HI, "tiny-s", 4))
+            again = await chat_h3(pool, chat_body(HI, "tiny-s", 4))
+            assert again.status == 200 and again.error is None, again.error
+            assert again.connection not in (None, "0.0")  # a new connection in the slot
+            return str(reset.value)
+
+    message = asyncio.run(through_the_kill())
+    assert "stateless reset" in message
+
+
+def test_a_restarted_worker_resets_the_connections_of_the_one_it_replaced(
+    workers: Server,
+) -> None:
+    """The key is the supervisor's, so the new worker's tokens are the dead one's."""
+
+    wait_until(lambda: serves(workers, 0) and serves(workers, 1), 30, "both workers to serve")
+
+    async def through_the_restart() -> str:
+        async with h3_client(workers) as client:
+            mine = await h3_worker(workers, client)
+            pid = worker_pids(workers)[mine]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: worker_pids(workers)[mine] != pid, 30, "the worker's restart")
+            wait_until(lambda: serves(workers, mine), 30, "the restarted worker to serve")
+            with pytest.raises(StreamError) as reset:
+                async with asyncio.timeout(RESET_WITHIN_S):
+                    await chat_h3(client, chat_body(HI, "tiny-s", 4))
+            return str(reset.value)
+
+    assert "stateless reset" in asyncio.run(through_the_restart())
 
 
 def test_sigterm_drains_every_worker(tmp_path: Path, null_upstream: Server) -> None:

@@ -18,6 +18,7 @@ from transport.http3 import Http3Settings
 from transport.qos import Tagger
 from transport.schedulers import SCHEDULERS
 from transport.server import Listen
+from transport.stateless_reset import ResetKey
 from transport.tls import ensure_certificate
 from transport.workers import add_worker_arguments, as_worker
 
@@ -68,6 +69,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, tcp_port: int, udp_por
         help="on SIGTERM or SIGINT, refuse new requests and give those in flight this long to "
         "finish before they are cut; a second signal cuts at once (default: %(default)s)",
     )
+    parser.add_argument(
+        "--reset-key-file",
+        help="HTTP/3: the secret stateless resets derive from (at least 16 bytes; a Kubernetes "
+        "Secret), shared by every front-end host so that any can reset another's connections "
+        "(default: one drawn at start, shared by this server's workers)",
+    )
     parser.add_argument("--log-level", default="info")
     add_worker_arguments(parser)
 
@@ -82,6 +89,7 @@ class ServerSetup:
     max_streams: int = Http3Settings.max_streams
     congestion_control: str = Http3Settings.congestion_control
     flush_interval: float = Http3Settings.flush_interval
+    reset_key: ResetKey | None = None
 
     def http3(self, tag: Tagger, **settings: int) -> Http3Settings:
         settings.setdefault("max_streams", self.max_streams)
@@ -92,6 +100,7 @@ class ServerSetup:
             tag=tag,
             congestion_control=self.congestion_control,
             flush_interval=self.flush_interval,
+            reset_key=self.reset_key,
             **settings,
         )
 
@@ -123,6 +132,14 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         if port and args.worker_index is None and (problem := cannot_listen(args.host, port, kind)):
             parser.exit(2, f"error: cannot listen on {kind} {args.host}:{port}: {problem}\n")
     cert, key = (Path(args.cert), Path(args.key)) if args.cert else ensure_certificate()
+    try:
+        # A worker's is its supervisor's, so that a restarted worker (or the supervisor, while
+        # it stands in) can reset its predecessor's connections.
+        reset_key = ResetKey.from_env() or (
+            ResetKey.from_file(args.reset_key_file) if args.reset_key_file else ResetKey.generate()
+        )
+    except (OSError, ValueError) as exc:
+        parser.exit(2, f"error: --reset-key-file: {exc}\n")
     listen = Listen(args.host, args.port or None, args.h3_port or None, args.drain_s, args.tls)
     if args.worker_index is not None:
         listen = as_worker(listen, args)
@@ -135,6 +152,7 @@ def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Server
         args.max_streams,
         args.congestion_control,
         args.flush_ms / 1000,
+        reset_key,
     )
 
 

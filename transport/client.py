@@ -28,6 +28,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 from transport.connection import (
     CoalescingProtocol,
     ScheduledQuicConnection,
+    StatelessReset,
     StreamExpired,
     adopt,
     connect_quic,
@@ -41,9 +42,13 @@ from transport.schedulers import StreamSpec
 class StreamError(Exception):
     """The response stream ended abnormally: reset by the peer or the connection closed."""
 
-    def __init__(self, message: str, error_code: int | None = None) -> None:
+    def __init__(
+        self, message: str, error_code: int | None = None, connection: str | None = None
+    ) -> None:
         super().__init__(message)
         self.error_code = error_code
+        self.connection = connection
+        """The name of the client (`Http3Client.name`) whose connection raised it."""
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Response:
     the stream credit it waited for."""
     credit_wait_s: float = 0.0
     """How long it waited for that credit; 0 if it did not."""
+    connection: str = ""
+    """The name of the client (connection) that carried it."""
     _done: bool = False
 
     async def iter_bytes(self) -> AsyncIterator[bytes]:
@@ -109,11 +116,17 @@ class _Pending:
 
 _ENDED_LANES = 32
 """Ended responses whose datagrams the client still acknowledges (a few seconds' worth)."""
+PROBE_S = 0.25
+"""Seconds. A connection with requests open that has heard nothing from the server for this
+long sends a PING. A client whose requests are all sent has nothing else to send, so a server
+that lost the connection would never be asked, and could not reset it (a request waiting in a
+queue of the engines is as quiet); answered, it costs two small packets per probe."""
 
 
 class _ClientProtocol(CoalescingProtocol):
-    def __init__(self, quic: Any, scheduler: str = "rr", **kwargs: Any) -> None:
+    def __init__(self, quic: Any, scheduler: str = "rr", name: str = "", **kwargs: Any) -> None:
         super().__init__(adopt(quic, scheduler), **kwargs)
+        self.name = name
         self.quic.ack_every = 2
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.pending: dict[int, _Pending] = {}
@@ -124,6 +137,8 @@ class _ClientProtocol(CoalescingProtocol):
         """Streams cancelled while past the limit: reset once the limit covers them."""
         self._ended: dict[int, ReceiverLane] = {}
         """Eloquent lanes of the last responses that ended, oldest first: still acknowledging."""
+        self._quiet_since = self._loop.time()
+        self._probe: asyncio.TimerHandle | None = None
 
     @property
     def quic(self) -> ScheduledQuicConnection:
@@ -154,6 +169,7 @@ class _ClientProtocol(CoalescingProtocol):
         return future
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._quiet_since = self._loop.time()
         super().datagram_received(data, addr)
         # A MAX_STREAMS frame may have come: what it unblocked is sent in the next loop pass.
         limit = self._quic._remote_max_streams_bidi
@@ -164,6 +180,21 @@ class _ClientProtocol(CoalescingProtocol):
         for stream_id in [s for s in self._abandoned if s // 4 < limit]:
             self._abandoned.discard(stream_id)
             self.cancel(stream_id)
+
+    def watch(self) -> None:
+        """Probe the server (PROBE_S) while requests are open."""
+        if self._probe is None and self.closed is None:
+            self._probe = self._loop.call_at(self._quiet_since + PROBE_S, self._probe_due)
+
+    def _probe_due(self) -> None:
+        self._probe = None
+        if not self.pending or self.closed is not None:
+            return
+        if self._loop.time() - self._quiet_since >= PROBE_S:
+            self._quic.send_ping(0)
+            self.transmit_soon()
+            self._quiet_since = self._loop.time()  # the next probe a PROBE_S later
+        self.watch()
 
     def cancel(self, stream_id: int) -> None:
         """Reset a request stream and stop its response: the server sees the client leave.
@@ -182,19 +213,16 @@ class _ClientProtocol(CoalescingProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset | StreamExpired):
             code = getattr(event, "error_code", ErrorCode.H3_REQUEST_CANCELLED)
-            self._fail(event.stream_id, StreamError(f"stream reset (error {code:#x})", code))
+            reset = StreamError(f"stream reset (error {code:#x})", code, self.name)
+            self._fail(event.stream_id, reset)
         elif isinstance(event, ConnectionTerminated):
-            self.closed = StreamError(
-                f"connection closed: {event.reason_phrase or 'no reason'} "
-                f"(error {event.error_code:#x})",
-                event.error_code,
-            )
+            self.closed = closed = _why_closed(event, self.name)
             for stream_id in list(self.pending):
-                self._fail(stream_id, self.closed)
+                self._fail(stream_id, closed)
             while self._blocked:
                 _, future = self._blocked.popleft()
                 if not future.done():
-                    future.set_exception(self.closed)
+                    future.set_exception(closed)
         for h3_event in self.h3.handle_event(event):
             self._h3_event_received(h3_event)
 
@@ -243,6 +271,20 @@ class _ClientProtocol(CoalescingProtocol):
         pending.chunks.put_nowait(error)
 
 
+def _why_closed(event: ConnectionTerminated, name: str) -> StreamError:
+    if isinstance(event, StatelessReset):
+        return StreamError(
+            "connection reset by the server, which no longer knows it (a stateless reset: the "
+            "process that held it is gone); what was in flight on it is lost",
+            connection=name,
+        )
+    return StreamError(
+        f"connection closed: {event.reason_phrase or 'no reason'} (error {event.error_code:#x})",
+        event.error_code,
+        name,
+    )
+
+
 def client_configuration(
     verify: bool | str = True, server_name: str | None = None, congestion_control: str = "reno"
 ) -> QuicConfiguration:
@@ -278,9 +320,12 @@ class Http3Client:
         scheduler: str = "rr",
         server_name: str | None = None,
         congestion_control: str = "reno",
+        name: str = "",
     ) -> None:
         self.host, self.port = host, port
         self.authority = f"{host}:{port}"
+        self.name = name
+        """Told apart from other connections in `Response.connection`."""
         self._configuration = client_configuration(verify, server_name or host, congestion_control)
         self._scheduler = scheduler
         self._context: Any = None
@@ -288,7 +333,7 @@ class Http3Client:
 
     async def __aenter__(self) -> Http3Client:
         def create_protocol(connection: Any, **kwargs: Any) -> _ClientProtocol:
-            return _ClientProtocol(connection, scheduler=self._scheduler, **kwargs)
+            return _ClientProtocol(connection, self._scheduler, self.name, **kwargs)
 
         self._context = connect_quic(
             self.host, self.port, configuration=self._configuration,
@@ -359,6 +404,7 @@ class Http3Client:
             pending.lane = protocol.receiver_lane(stream_id, pending.chunks)
             headers = {**(headers or {}), ELOQUENT_HEADER.decode(): "1"}
         protocol.pending[stream_id] = pending
+        protocol.watch()
         fields = [
             (b":method", method.encode()),
             (b":scheme", b"https"),
@@ -386,7 +432,7 @@ class Http3Client:
         status = int(named.pop(":status", "0"))
         return Response(
             stream_id, status, named, self, pending.chunks, pending.lane, sent_at,
-            max(0.0, sent_at - queued_at),
+            max(0.0, sent_at - queued_at), self.name,
         )  # fmt: skip
 
     @property
@@ -411,20 +457,27 @@ class Http3Client:
 class Http3Pool:
     """`connections` QUIC connections to one server, opened together; each request goes on the
     one with the most stream credit left, so that up to `connections` times the server's stream
-    limit can be in flight before any request waits. A connection that closes is reopened."""
+    limit can be in flight before any request waits. A connection that closes (or is reset) is
+    reopened for the next request.
+
+    Connections are named `slot.generation`: "3.0" is the fourth slot's first connection, "3.1"
+    the one that replaced it."""
 
     def __init__(self, host: str, port: int, connections: int = 1, **kwargs: Any) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, got {connections}")
         self.host, self.port = host, port
         self._kwargs = kwargs
-        self.clients = [Http3Client(host, port, **kwargs) for _ in range(connections)]
+        self.connections = connections
+        self.clients: list[Http3Client] = []
+        self._opened = [0] * connections
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> Http3Pool:
         opened = await asyncio.gather(
-            *(client.__aenter__() for client in self.clients), return_exceptions=True
+            *(self._open(slot) for slot in range(self.connections)), return_exceptions=True
         )
+        self.clients = [client for client in opened if isinstance(client, Http3Client)]
         if failed := next((r for r in opened if isinstance(r, BaseException)), None):
             await self.__aexit__(None, None, None)
             raise failed
@@ -441,15 +494,22 @@ class Http3Pool:
         return await (await self._pick()).request(*args, **kwargs)
 
     async def _pick(self) -> Http3Client:
-        if not all(client.is_open for client in self.clients):
+        # A loop: another connection may close while one reopens.
+        while not all(client.is_open for client in self.clients):
             async with self._lock:
-                for i, client in enumerate(self.clients):
+                for slot, client in enumerate(self.clients):
                     if not client.is_open:
                         await client.__aexit__(None, None, None)
-                        fresh = Http3Client(self.host, self.port, **self._kwargs)
-                        await asyncio.wait_for(fresh.__aenter__(), timeout=10)
-                        self.clients[i] = fresh
+                        self.clients[slot] = await self._open(slot)
         return max(self.clients, key=lambda client: client.stream_credit)
+
+    async def _open(self, slot: int) -> Http3Client:
+        fresh = Http3Client(
+            self.host, self.port, name=f"{slot}.{self._opened[slot]}", **self._kwargs
+        )
+        self._opened[slot] += 1
+        await asyncio.wait_for(fresh.__aenter__(), timeout=10)
+        return fresh
 
 
 def split_url(url: str) -> tuple[str, int]:

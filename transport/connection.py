@@ -39,7 +39,8 @@ from aioquic.quic.connection import (
     QuicConnectionState,
     stream_is_unidirectional,
 )
-from aioquic.quic.events import QuicEvent
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
+from aioquic.quic.packet import QuicErrorCode
 from aioquic.quic.packet_builder import QuicDeliveryState, QuicSentPacket
 from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import QuicPacketRecovery
@@ -47,6 +48,7 @@ from aioquic.quic.stream import QuicStream, QuicStreamReceiver, QuicStreamSender
 
 from config.paths import PathEstimate
 from transport.schedulers import DEFAULT_SPEC, Scheduler, StreamSpec, make_scheduler
+from transport.stateless_reset import ResetKey, ResetResponder, is_reset, is_short_header
 from transport.udp import BatchedDatagramTransport, open_udp, send_all, widen_receive_buffer
 
 EXPIRED_ERROR = ErrorCode.H3_REQUEST_CANCELLED
@@ -59,6 +61,12 @@ class StreamExpired(QuicEvent):
     """A stream passed its hard deadline; the connection has reset it."""
 
     stream_id: int
+
+
+@dataclass
+class StatelessReset(ConnectionTerminated):
+    """The peer sent a stateless reset with this connection's token (RFC 9000 10.3): it no
+    longer knows the connection, and whatever was in flight on it is lost."""
 
 
 RESENT_EARLY_KEPT = 64
@@ -537,13 +545,43 @@ class ScheduledQuicConnection(QuicConnection):
     _ack_first_at: float | None = None
     _acked_largest = -1
 
+    reset_key: ResetKey | None = None
+    """Where set (a server's connections: `ResettingQuicServer`), the stateless-reset tokens of
+    the connection IDs this end issues come from it, not from aioquic's `os.urandom`."""
+
+    def sign_connection_ids(self) -> None:
+        """Give every connection ID this end has issued, or will, its token from `reset_key`.
+        Before the first datagram: the first ID's token goes out in the transport parameters.
+        Upstream aioquic would need a token function in QuicConfiguration instead."""
+        if self.reset_key is not None:
+            for issued in self._host_cids:
+                issued.stateless_reset_token = self.reset_key.token(issued.cid)
+
+    def _replenish_connection_ids(self) -> None:
+        # aioquic issues more IDs (NEW_CONNECTION_ID) once the handshake is done, each with a
+        # random token; they are signed before any frame carries them.
+        super()._replenish_connection_ids()
+        self.sign_connection_ids()
+
     _elicited = False
     _ended_stream = False
 
     def receive_datagram(self, data: bytes, addr: Any, now: float) -> None:
+        if is_reset(data, self._peer_cid.stateless_reset_token):
+            # Checked before decryption, which RFC 9000 10.3.1 allows: a datagram that could
+            # be decrypted ends in its 16-byte tag, which matches the token by chance 2^-128.
+            # Upstream aioquic would check where a datagram fails to decrypt.
+            self._reset()
+            return
         self._elicited = self._ended_stream = False
         lost = cast(CountingRecovery, self._loss).lost
         super().receive_datagram(data, addr, now)
+        if self._state is QuicConnectionState.DRAINING and not self._handshake_complete:
+            # Closed by the server before the handshake, as a stand-in refuses a connection
+            # (`transport.stateless_reset`): there is nothing to drain, and aioquic's 3 PTOs
+            # of draining would hold the client's ConnectionRefused back for about a second.
+            # Upstream aioquic would end such a connection in its close-frame handler.
+            self._close_end()
         if self.ack_every > 1 and self._handshake_confirmed:
             self._hold_ack(now)
         self.reply_due = bool(
@@ -557,6 +595,18 @@ class ScheduledQuicConnection(QuicConnection):
             or self._datagrams_pending
             or cast(_StreamTable, self._streams).credit
         )
+
+    def _reset(self) -> None:
+        """The peer reset the connection: end it now, sending nothing more (RFC 9000 10.3.1:
+        the draining period is for a peer that still has state)."""
+        if self._state in (QuicConnectionState.CLOSING, QuicConnectionState.DRAINING,
+                           QuicConnectionState.TERMINATED):  # fmt: skip
+            return
+        self._close_event = StatelessReset(
+            error_code=QuicErrorCode.NO_ERROR, frame_type=None, reason_phrase="stateless reset"
+        )
+        self._close_end()
+        self.reply_due = False
 
     reply_due = True
     """Whether the last datagram received may have left something to send at once. Not after
@@ -763,18 +813,69 @@ def udp_transport(endpoint: QuicConnectionProtocol | QuicServer) -> asyncio.Data
     return transport
 
 
+class ResettingQuicServer(QuicServer):
+    """aioquic's server, with stateless resets (`transport.stateless_reset`): its connections'
+    tokens derive from `reset_key`, and a short-header packet for a connection ID it does not
+    know is answered with a reset, where aioquic drops it.
+
+    Its connections must be `ScheduledQuicConnection`s (`create_protocol` adopts them), which
+    sign the IDs they issue. Upstream aioquic would need a hook in `QuicServer` for datagrams
+    whose connection ID it does not know, which it drops now."""
+
+    def __init__(
+        self, *, reset_key: ResetKey, create_protocol: Callable[..., Any], **options: Any
+    ) -> None:
+        def signed(connection: QuicConnection, **kwargs: Any) -> Any:
+            protocol = create_protocol(connection, **kwargs)
+            quic = protocol._quic
+            if not isinstance(quic, ScheduledQuicConnection):
+                raise TypeError("a ResettingQuicServer's create_protocol must adopt() its QUIC")
+            quic.reset_key = reset_key
+            quic.sign_connection_ids()
+            return protocol
+
+        super().__init__(create_protocol=signed, **options)
+        cid_length = self._configuration.connection_id_length
+        self.responder = ResetResponder(reset_key, cid_length)
+        self._cid_end = 1 + cid_length
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        data = cast(bytes, data)
+        if is_short_header(data) and data[1 : self._cid_end] not in self._protocols:
+            reset = self.responder.reset(data, self._loop.time())
+            if reset is not None:
+                udp_transport(self).sendto(reset, addr)
+            return
+        super().datagram_received(data, addr)
+
+
 async def serve_quic(
-    host: str, port: int, sock: socket.socket | None = None, **server_options: Any
+    host: str,
+    port: int,
+    sock: socket.socket | None = None,
+    reset_key: ResetKey | None = None,
+    **server_options: Any,
 ) -> QuicServer:
     """aioquic's `serve` on a `transport.udp` transport: aioquic's takes no transport of ours.
-    On `sock` where given (a UDP socket bound to `host:port`), else on one bound here.
-    `server_options` are QuicServer's."""
-    server = QuicServer(**server_options)
+    On `sock` where given (a UDP socket bound to `host:port`), else on one bound here. With a
+    `reset_key`, a `ResettingQuicServer`. `server_options` are QuicServer's."""
+    server = (
+        QuicServer(**server_options)
+        if reset_key is None
+        else ResettingQuicServer(reset_key=reset_key, **server_options)
+    )
     if sock is None:
         await open_udp(server, host, port)
     else:
         BatchedDatagramTransport(asyncio.get_running_loop(), sock, server)
     return server
+
+
+CONNECT_TRIES = 16
+"""Handshakes `connect_quic` tries while the server refuses them. A server of ours refuses only
+where another process may take the connection (a dead worker's stand-in, `transport.workers`),
+and each try goes out from a new port, hashed afresh over the workers: with one of two workers
+down, 16 refusals in a row come once in 65,536 connections."""
 
 
 @contextlib.asynccontextmanager
@@ -786,11 +887,35 @@ async def connect_quic(
     create_protocol: Callable[..., QuicConnectionProtocol],
 ) -> AsyncIterator[QuicConnectionProtocol]:
     """aioquic's `connect` (waiting for the handshake) on a `transport.udp` transport. The socket
-    is bound in the server address's own family, where aioquic's binds a dual-stack one."""
+    is bound in the server address's own family, where aioquic's binds a dual-stack one. A
+    server that refuses the connection (CONNECTION_REFUSED) is tried again at once from a new
+    socket, up to CONNECT_TRIES in all; then ConnectionRefusedError."""
     loop = asyncio.get_running_loop()
     family, _, _, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM))[0]
     if configuration.server_name is None:
         configuration.server_name = host
+    refusals_left = CONNECT_TRIES - 1
+    while True:
+        try:
+            protocol, transport = await _handshake(family, address, configuration, create_protocol)
+            break
+        except ConnectionRefusedError:
+            if not refusals_left:
+                raise
+            refusals_left -= 1
+    try:
+        yield protocol
+    finally:
+        await _close(protocol, transport)
+
+
+async def _handshake(
+    family: int,
+    address: Any,
+    configuration: QuicConfiguration,
+    create_protocol: Callable[..., QuicConnectionProtocol],
+) -> tuple[QuicConnectionProtocol, BatchedDatagramTransport]:
+    """One connection, from a socket of its own, once its handshake is done."""
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
         sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
@@ -799,12 +924,22 @@ async def connect_quic(
         raise
     widen_receive_buffer(sock)
     protocol = create_protocol(QuicConnection(configuration=configuration))
-    transport = BatchedDatagramTransport(loop, sock, protocol)
+    transport = BatchedDatagramTransport(asyncio.get_running_loop(), sock, protocol)
     try:
         protocol.connect(address)
         await protocol.wait_connected()
-        yield protocol
-    finally:
-        protocol.close()
-        await protocol.wait_closed()
-        transport.close()
+    except BaseException as exc:
+        await _close(protocol, transport)
+        closed = protocol._quic._close_event
+        if closed is not None and closed.error_code == QuicErrorCode.CONNECTION_REFUSED:
+            raise ConnectionRefusedError(
+                f"QUIC connection to {address[0]}:{address[1]} refused: {closed.reason_phrase}"
+            ) from exc
+        raise
+    return protocol, transport
+
+
+async def _close(protocol: QuicConnectionProtocol, transport: BatchedDatagramTransport) -> None:
+    protocol.close()
+    await protocol.wait_closed()
+    transport.close()

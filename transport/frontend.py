@@ -339,7 +339,10 @@ def main() -> int:
     if args.workers > 1:
         if args.masque:
             parser.error("--masque: the MASQUE proxy runs in one process, not with --workers")
-        return supervise("transport.frontend", sys.argv[1:], setup.listen, args.workers)
+        return supervise(
+            "transport.frontend", sys.argv[1:], setup.listen, args.workers,
+            reset_key=setup.reset_key,
+        )  # fmt: skip
     masque = _masque_proxy(parser, args, setup) if args.masque else None
     classifier = QosClassifier.from_deployment(setup.deployment)
     edge_key = classifier.edge_key()

@@ -67,6 +67,7 @@ from transport.eloquent.driver import datagram_sender
 from transport.eloquent.sse import SseEvents
 from transport.limits import DEFAULT_MAX_BODY_BYTES
 from transport.qos import DEADLINE, PATH, TAG, StreamDeadline, Tagger
+from transport.stateless_reset import ResetKey
 from transport.udp import BatchedDatagramTransport
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ class Http3Settings:
     """aioquic's `reno` (its default) or `cubic`, as Linux TCP and quic-go use: on a lossy path
     CUBIC recovers from a loss early in slow start far sooner (Chuppala (2024)'s microbenchmark over
     3G: real-time completion 91.5% under Reno, 100% under CUBIC, `experiments.transport_micro`)."""
+
+    reset_key: ResetKey | None = None
+    """Stateless resets (`transport.stateless_reset`): packets for connections this server does
+    not know are answered with a reset made from this key. None: dropped, as aioquic does."""
 
     def quic_configuration(self) -> QuicConfiguration:
         configuration = QuicConfiguration(
@@ -195,8 +200,8 @@ class Http3Server:
             return _Http3Protocol(adopt(connection, self.settings.scheduler), self, **kwargs)
 
         self._server = await serve_quic(
-            host, port, sock, configuration=self.settings.quic_configuration(),
-            create_protocol=create_protocol,
+            host, port, sock, self.settings.reset_key,
+            configuration=self.settings.quic_configuration(), create_protocol=create_protocol,
         )  # fmt: skip
         self.port = udp_transport(self._server).get_extra_info("sockname")[1]
 

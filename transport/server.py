@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -175,6 +176,8 @@ class Listen:
     worker's, handed down by its supervisor (`transport.workers`)."""
     udp_socket: socket.socket | None = None
     """Likewise for HTTP/3, bound to `udp_port`."""
+    ready_fd: int | None = None
+    """A pipe to the supervisor: one byte once the servers listen, and closed."""
 
 
 class WithoutLifespan:
@@ -417,6 +420,8 @@ async def serve_forever(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
     async with server:
+        if server.listen.ready_fd is not None:
+            tell_ready(server.listen.ready_fd)
         if on_ready is not None:
             ready = on_ready(server)
             if ready is not None:
@@ -424,3 +429,12 @@ async def serve_forever(
         await stop.wait()
         await server.stop_gracefully(server.listen.drain_s, hurry)
         logger.info("shutting down")
+
+
+def tell_ready(fd: int) -> None:
+    """Tell the supervisor at the other end of `fd` that this worker serves (`transport.workers`:
+    it stops standing in for the worker then)."""
+    with contextlib.suppress(OSError):  # a supervisor that is gone has no use for it
+        os.write(fd, b"1")
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -49,6 +49,8 @@ class ChatResult:
     stream credit, or the load generator's HTTP/2 stream limit); not part of TTFT or E2EL."""
     usage: dict[str, int] | None = None
     error: str | None = None
+    connection: str | None = None
+    """HTTP/3: the name of the client connection that carried it (`Http3Pool`'s)."""
 
     @property
     def mean_itl_s(self) -> float | None:
@@ -93,7 +95,7 @@ async def chat_h3(
         spec=spec,
         eloquent=eloquent,
     )
-    result = ChatResult(credit_wait_s=response.credit_wait_s)
+    result = ChatResult(credit_wait_s=response.credit_wait_s, connection=response.connection)
     result.take_headers(response.status, response.headers)
     try:
         if response.status != 200:

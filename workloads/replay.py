@@ -137,6 +137,8 @@ class Client:
         """The models the server's /v1/models listed when the client connected, less `auto`;
         asked only without --deployment (and always over HTTP/2, whose connection it opens)."""
         self.models_error = "it was not asked"
+        self.run_started: float | None = None
+        """time.time() at arrival 0, once connected: the clock of the outcomes' times."""
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Client]:
@@ -266,10 +268,14 @@ async def run_one(
         return outcome
     except (StreamError, aiohttp.ClientError, httpx.TransportError, OSError) as exc:
         outcome.error_kind, outcome.error = "connection", f"{type(exc).__name__}: {exc}"
+        outcome.connection = getattr(exc, "connection", None)
         return outcome
     except Exception as exc:  # noqa: BLE001 - a malformed reply is this request's error, counted
         outcome.error_kind, outcome.error = "bad_response", f"{type(exc).__name__}: {exc}"
         return outcome
+    finally:
+        outcome.end_s = time.perf_counter() - start
+    outcome.connection = result.connection
     outcome.status, outcome.model, outcome.replica = result.status, result.model, result.replica
     outcome.server_request_id = result.request_id
     outcome.credit_wait_s = result.credit_wait_s
@@ -380,6 +386,7 @@ async def replay(
             await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu = time.process_time()
         start = time.perf_counter()
+        client.run_started = time.time()
         if max_concurrency is not None or ordered:
 
             async def send(request: Request) -> Outcome:
@@ -799,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"WARNING: {warning}")
     record = {
         "started": started,
+        "run_started": client.run_started,
         "command": sys.argv,
         "arrivals": {"description": what, **asdict(stats)},
         "deployment": deployment.name if unscored is None else None,

@@ -48,6 +48,11 @@ class Outcome:
     output_tokens: int = 0
     slo_met: bool = False
     reward: float = 0.0
+    end_s: float | None = None
+    """When it ended, completed or failed, from the start of the run."""
+    connection: str | None = None
+    """HTTP/3: the client connection that carried it, as `slot.generation` of the load
+    generator's pool (a slot's generation goes up each time its connection is reopened)."""
 
     @property
     def completed(self) -> bool:
