@@ -121,11 +121,16 @@ def peer_command(name: str, venv: Path) -> list[str] | None:
     return binary
 
 
+PEERS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+"""The peers' versions every comparison ran: `router.prefix.SglangCacheAware` copies sglang-router
+0.3.2's cache_aware, so a newer one would be compared with a copy of an older."""
+
+
 def install_peers(venv: Path) -> None:
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "sglang-router", "vllm-router"], check=True)
+    subprocess.run([*pip, *PEERS], check=True)
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser, out: str) -> None:

@@ -18,11 +18,12 @@ import numpy as np
 from config import DEFAULT_MAX_MODEL_LEN, Deployment
 from router.action_features import IN_TIME, ActionFeatures
 from router.features import Encoder, FeatureEncoder
-from router.prefix import PrefixAffinity, PrefixHash, PrefixIndex
+from router.prefix import PrefixAffinity, PrefixHash, PrefixIndex, SglangCacheAware
 from router.view import ClusterView
 from workloads import Request
 
-__all__ = ["PrefixHash", "PrefixAffinity", "PrefixIndex"]  # prefix policies live in router.prefix
+# The prefix policies live in router.prefix.
+__all__ = ["PrefixHash", "PrefixAffinity", "PrefixIndex", "SglangCacheAware"]
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +408,7 @@ class ModelThenReplica:
 
     def choose(self, obs: np.ndarray, request: Request, view: ClusterView) -> int:
         model = view.replicas[self.model_policy.choose(obs, request, view)].model
-        if isinstance(self.replica_policy, PrefixAffinity | PrefixHash):
+        if isinstance(self.replica_policy, PrefixAffinity | PrefixHash | SglangCacheAware):
             return self.replica_policy.choose(obs, request, view, model)
         only = view.only([r.model == model for r in view.replicas])
         return self.replica_policy.choose(obs, request, only)
@@ -427,6 +428,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "prefix-hash": lambda d: prefix_hash(d),
     "prefix-approx": lambda d: PrefixAffinity(approximate_index(d), False, d.quality),
     "prefix-precise": lambda d: PrefixAffinity(PrefixIndex(len(d.replicas)), True, d.quality),
+    "sglang-cache-aware": lambda d: SglangCacheAware(d.quality),
     "random": lambda d: RandomModel(d.models),
     "random-replica": lambda d: RandomReplica(),
 }

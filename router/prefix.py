@@ -1,6 +1,7 @@
 """Prefix-aware routing: send a request where its prompt's KV cache already is.
 
-Three ways to know where that is, each behind the `Policy` interface:
+Three ways to know where that is, each behind the `Policy` interface (and, to compare with,
+sglang-router's own, `SglangCacheAware`):
 - `PrefixHash`: KubeAI's consistent hashing with bounded loads. It never knows; it sends every
   request of a conversation to one place, so that the cache builds up there.
 - `PrefixAffinity` with an approximate `PrefixIndex`, kept from the router's own decisions: a
@@ -32,6 +33,7 @@ import numpy as np
 import xxhash
 
 from router.kv_cache import REMOVED
+from router.text_tree import TextTree
 from router.view import ClusterView
 from workloads import Request, TokenIds
 
@@ -192,6 +194,95 @@ class PrefixIndex:
         if capacity is not None and len(recent) > capacity:
             gone = [recent.popitem(last=False)[0] for _ in range(len(recent) - capacity)]
             self.event(replica, REMOVED, gone)
+
+
+def routing_text(request: Request) -> str:
+    """The text sglang-router matches a request by: a chat's message contents joined by single
+    spaces (no roles, no template), a completion's prompt, or token ids as decimals joined by
+    spaces (its /generate's `input_ids`)."""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    if isinstance(request.prompt, TokenIds):
+        return " ".join(map(str, request.prompt.ids))
+    return " ".join(m.content for m in request.prompt if m.content)
+
+
+class SglangCacheAware:
+    """sglang-router's `cache_aware` (sgl-model-gateway 0.3.2, `src/policies/cache_aware.rs`),
+    with its launcher's defaults, to compare ours with at scales real engines cannot reach here.
+
+    Over the available replicas of the request's model, load being the requests dispatched and
+    not finished (the router's own count, as `ReplicaState.running` is):
+    - if max - min > `balance_abs` and max > min x `balance_rel` (both strict), the least
+      loaded, first on ties;
+    - else, if the longest prefix any replica holds in the model's `TextTree` covers more than
+      `cache_threshold` of the request's characters (`routing_text`), the replica that
+      created that prefix, however loaded;
+    - else the least loaded, first on ties.
+    The request's text is then inserted for the replica chosen. Every `eviction_interval_s` of
+    arrivals, each replica's share of the tree is trimmed to `max_tree_chars`.
+
+    One departure: sglang's "first" worker is first in an order its registry draws at start
+    (a map keyed by random ids); here it is the first listed, unless `order` gives another."""
+
+    def __init__(
+        self,
+        quality: Quality | None = None,
+        cache_threshold: float = 0.3,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+        eviction_interval_s: float = 60.0,
+        max_tree_chars: int = 2**26,
+        order: Sequence[int] | None = None,
+    ) -> None:
+        self.quality = quality
+        # Compared in single precision, as its Rust does: 0.3 is 0.30000001 there.
+        self.cache_threshold = np.float32(cache_threshold)
+        self.balance_abs = balance_abs
+        self.balance_rel = np.float32(balance_rel)
+        self.eviction_interval_s = eviction_interval_s
+        self.max_tree_chars = max_tree_chars
+        self.order = order
+        self.trees: dict[str, TextTree] = {}
+        self._evicted_at: float | None = None
+
+    def choose(
+        self, obs: np.ndarray, request: Request, view: ClusterView, model: str | None = None
+    ) -> int:
+        """`model`: route among its replicas (default: `model_for`'s choice)."""
+        model = model or model_for(request, view, self.quality)
+        replicas = view.replicas
+        listed = self.order if self.order is not None else range(len(replicas))
+        workers = [i for i in listed if replicas[i].available and replicas[i].model == model]
+        tree = self.trees.setdefault(model, TextTree())
+        self._evict(request.arrival)
+        text = routing_text(request)
+        loads = [replicas[i].running for i in workers]
+        least = workers[loads.index(min(loads))]
+        low, high = min(loads), max(loads)
+        if high - low > self.balance_abs and np.float32(high) > np.float32(low) * self.balance_rel:
+            best = least
+        else:
+            matched, holder = tree.match(text)
+            rate = np.float32(matched) / np.float32(len(text)) if text else np.float32(0.0)
+            if rate <= self.cache_threshold:
+                best = least
+            elif holder in workers:
+                best = holder
+            else:  # its holder is gone: forgotten, and the first worker taken, as sglang does
+                if holder is not None:
+                    tree.remove(holder)
+                return workers[0]
+        tree.insert(text, best)
+        return best
+
+    def _evict(self, now: float) -> None:
+        if self._evicted_at is None:
+            self._evicted_at = now
+        elif self.eviction_interval_s and now - self._evicted_at >= self.eviction_interval_s:
+            self._evicted_at = now
+            for tree in self.trees.values():
+                tree.evict(self.max_tree_chars)
 
 
 PENDING_BLOCKS = 4096
