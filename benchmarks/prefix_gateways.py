@@ -19,7 +19,9 @@ turn, carrying its history, goes out when its previous answer ended. Before each
 replicas' prefix caches are emptied (`POST /reset_prefix_cache`, vLLM's dev mode). Reported per
 gateway: requests completed and failed, mean and p99 TTFT, and the prefix cache hit rate the
 replicas report in /metrics (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, tokens,
-over the run).
+over the run). With `--rounds N` the gateways run in turn N times, and the table
+(prefix_gateways.md) gives each gateway's means and each one's paired difference from
+`--against` with its 95% interval.
 
     python -m benchmarks.prefix_gateways --install-peers           # 10 min
     python -m benchmarks.prefix_gateways --scrape-s 0 --gateways ours-precise,ours-rr
@@ -37,6 +39,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import (
@@ -47,6 +50,7 @@ from benchmarks.common import (
     start_vllm,
 )
 from experiments.harness.output import write_csv
+from experiments.stable import interval
 from serving.launch import ROOT, free_port, launch, shipped_spec
 
 GATEWAYS = ("ours-precise", "ours-approx", "ours-hash", "ours-rr", "sglang-router", "vllm-router")
@@ -137,6 +141,10 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--against", default="ours-precise",
+        help="the gateway the others' paired differences are taken from (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     add_peer_arguments(parser, "prefix_gateways")
     args = parser.parse_args()
@@ -190,7 +198,40 @@ def main() -> int:
                       f"{r['p99_ttft_ms']:.1f} ms, prefix cache hits {r['hit_rate']:.3f}",
                       flush=True)  # fmt: skip
     write_csv(args.out / "prefix_gateways.csv", rows)
+    table = compare(rows, args.against)
+    (args.out / "prefix_gateways.md").write_text(table)
+    print(table)
     return 0
+
+
+METRICS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"),
+           ("hit_rate", "vLLM prefix hit rate"))  # fmt: skip
+
+
+def compare(rows: list[dict], against: str) -> str:
+    """Each gateway's mean over the rounds, and for each other gateway its paired difference
+    from `against` round by round, with the 95% interval of the mean difference (Student's t
+    over rounds; rounds run the gateways in turn, so a round's drift is shared)."""
+    names = list(dict.fromkeys(r["gateway"] for r in rows))
+    by = {(r["gateway"], r["round"]): r for r in rows}
+    rounds = sorted({r["round"] for r in rows})
+    lines = [f"{len(rounds)} interleaved round(s); difference = other - {against}, "
+             "mean ± 95% interval (paired by round)", "",
+             "| gateway | " + " | ".join(name for _, name in METRICS) + " |",
+             "|---|" + "---|" * len(METRICS)]  # fmt: skip
+    for gateway in names:
+        cells = []
+        for column, _ in METRICS:
+            values = [by[gateway, k][column] for k in rounds if (gateway, k) in by]
+            cell = f"{np.mean(values):.3f}" if column == "hit_rate" else f"{np.mean(values):.0f}"
+            if gateway != against and (against, rounds[0]) in by:
+                paired = [by[gateway, k][column] - by[against, k][column]
+                          for k in rounds if (gateway, k) in by and (against, k) in by]  # fmt: skip
+                digits = 3 if column == "hit_rate" else 0
+                cell += f" ({np.mean(paired):+.{digits}f} ± {interval(paired):.{digits}f})"
+            cells.append(cell)
+        lines.append(f"| {gateway} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -196,6 +196,10 @@ class PrefixIndex:
             self.event(replica, REMOVED, gone)
 
 
+BALANCE, MATCH, LEAST, GONE = "balance", "match", "least-loaded", "holder-gone"
+"""The rules of `SglangCacheAware.decide`."""
+
+
 def routing_text(request: Request) -> str:
     """The text sglang-router matches a request by: a chat's message contents joined by single
     spaces (no roles, no template), a completion's prompt, or token ids as decimals joined by
@@ -257,24 +261,31 @@ class SglangCacheAware:
         tree = self.trees.setdefault(model, TextTree())
         self._evict(request.arrival)
         text = routing_text(request)
-        loads = [replicas[i].running for i in workers]
+        best, why = self.decide(tree, text, workers, [replicas[i].running for i in workers])
+        if why != GONE:
+            tree.insert(text, best)
+        return best
+
+    def decide(
+        self, tree: TextTree, text: str, workers: Sequence[int], loads: Sequence[int]
+    ) -> tuple[int, str]:
+        """The replica among `workers` (in tie-break order, with their `loads`) for `text`,
+        and which rule chose it: BALANCE, MATCH, LEAST or GONE (the match's holder is not
+        among them: it is forgotten and the first taken, and nothing is inserted)."""
         least = workers[loads.index(min(loads))]
         low, high = min(loads), max(loads)
         if high - low > self.balance_abs and np.float32(high) > np.float32(low) * self.balance_rel:
-            best = least
-        else:
-            matched, holder = tree.match(text)
-            rate = np.float32(matched) / np.float32(len(text)) if text else np.float32(0.0)
-            if rate <= self.cache_threshold:
-                best = least
-            elif holder in workers:
-                best = holder
-            else:  # its holder is gone: forgotten, and the first worker taken, as sglang does
-                if holder is not None:
-                    tree.remove(holder)
-                return workers[0]
-        tree.insert(text, best)
-        return best
+            return least, BALANCE
+        matched, holder = tree.match(text)
+        rate = np.float32(matched) / np.float32(len(text)) if text else np.float32(0.0)
+        if rate <= self.cache_threshold:
+            return least, LEAST
+        if holder is None:  # no tenant at the node reached: sglang's "empty"
+            return workers[0], GONE
+        if holder in workers:
+            return holder, MATCH
+        tree.remove(holder)
+        return workers[0], GONE
 
     def _evict(self, now: float) -> None:
         if self._evicted_at is None:

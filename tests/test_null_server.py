@@ -12,21 +12,26 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.sglang_fidelity import prompt_digest
 from serving.launch import free_port, launch
 from tests.support.servers import PYTHON, Server, wait_until
 from tests.support.tiers import starts
+from workloads import Message, Request
 
 
 @pytest.fixture(scope="module")
 @starts("twin")
 def null_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
-    log = tmp_path_factory.mktemp("null") / "null.log"
+    folder = tmp_path_factory.mktemp("null")
     command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
-               "--model", "up", "--token-gap-ms", "20", "--max-num-seqs", "2"]  # fmt: skip
-    with launch("null", command, port, "/health", log) as started:
+               "--model", "up", "--token-gap-ms", "20", "--max-num-seqs", "2",
+               "--request-log", str(folder / "requests.jsonl")]  # fmt: skip
+    with launch("null", command, port, "/health", folder / "null.log") as started:
         started.ready(60)
-        yield Server(**vars(started))
+        server = Server(**vars(started))
+        server.request_log = folder / "requests.jsonl"
+        yield server
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -130,3 +135,15 @@ async def test_past_max_num_seqs_requests_wait_in_order_and_leaving_aborts(
     )
     assert (aborted, finished) == (1, 2)
     assert after["vllm:num_requests_waiting"] == 0
+
+
+def test_the_request_log_names_each_prompt_as_its_sender_does(null_upstream: Server) -> None:
+    """benchmarks.sglang_fidelity finds which upstream a gateway chose by this digest."""
+    said = (Message("user", "which upstream?"),)
+    request = Request("r", 0.0, said, 2, "free-tier")
+    messages = [{"role": m.role, "content": m.content} for m in said]
+    body = {"model": "up", "max_tokens": 2, "messages": messages}
+    assert httpx.post(null_upstream.url + "/v1/chat/completions", json=body).status_code == 200
+    assert null_upstream.request_log is not None
+    lines = [json.loads(line) for line in null_upstream.request_log.read_text().splitlines()]
+    assert lines[-1]["prompt_sha1"] == prompt_digest(request)

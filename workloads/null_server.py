@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
 import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -46,7 +49,10 @@ class NullModel:
         token_gap_s: float,
         model: str = "null",
         max_num_seqs: int = 0,
+        request_log: TextIO | None = None,
     ) -> None:
+        """`request_log`: a line of JSON per completion request received (`logged`)."""
+        self.request_log = request_log
         self.first_token_s = first_token_s
         self.token_gap_s = token_gap_s
         self.model = model
@@ -102,6 +108,9 @@ class NullModel:
     async def _complete(
         self, request: dict[str, Any], chat: bool, send: Send, disconnected: asyncio.Future[None]
     ) -> None:
+        if self.request_log is not None:
+            self.request_log.write(json.dumps(logged(request)) + "\n")
+            self.request_log.flush()
         tokens = int(request.get("max_completion_tokens") or request.get("max_tokens") or 16)
         prompt_tokens = _count_prompt(request, chat)
         options = request.get("stream_options") or {}
@@ -249,6 +258,22 @@ class _Chunks:
 _TEXT = [(b"content-type", b"text/plain; version=0.0.4")]
 
 
+def logged(request: dict[str, Any]) -> dict[str, Any]:
+    """What the request log keeps of a request: when it came, and the SHA-1 of its prompt's
+    text (`prompt_digest`), by which whoever sent it finds which upstream a gateway chose."""
+    return {"received": time.time(), "prompt_sha1": prompt_digest(request)}
+
+
+def prompt_digest(request: dict[str, Any]) -> str:
+    """SHA-1 of the JSON list of the messages' contents (or of the completion prompt): what a
+    gateway passes on unchanged, however it re-serializes the rest of the body."""
+    if "messages" in request:
+        said = [m.get("content") for m in request["messages"]]
+    else:
+        said = [request.get("prompt")]
+    return hashlib.sha1(json.dumps(said).encode()).hexdigest()
+
+
 def _count_prompt(request: dict[str, Any], chat: bool) -> int:
     if chat:
         messages = request.get("messages") or []
@@ -296,6 +321,10 @@ def main() -> int:
         "--max-num-seqs", type=int, default=0,
         help="requests generating at once; the rest wait in arrival order (0: no limit)",
     )  # fmt: skip
+    parser.add_argument(
+        "--request-log", type=Path,
+        help="append a line per completion request: when it came and its prompt's SHA-1",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
     if args.max_num_seqs < 0:
@@ -305,13 +334,16 @@ def main() -> int:
 
     async def serve() -> None:
         # The app's semaphore belongs to the running loop.
-        app = NullModel(
-            args.first_token_ms / 1000, args.token_gap_ms / 1000, args.model, args.max_num_seqs
-        )
-        server = DualServer(
-            app, listen, Http3Settings(str(cert), str(key)), args.log_level, access_log=False
-        )
-        await serve_forever(server)
+        with contextlib.ExitStack() as stack:
+            log = stack.enter_context(args.request_log.open("a")) if args.request_log else None
+            app = NullModel(
+                args.first_token_ms / 1000, args.token_gap_ms / 1000, args.model,
+                args.max_num_seqs, log,
+            )  # fmt: skip
+            server = DualServer(
+                app, listen, Http3Settings(str(cert), str(key)), args.log_level, access_log=False
+            )
+            await serve_forever(server)
 
     asyncio.run(serve())
     return 0
