@@ -13,8 +13,8 @@ sglang-router's own, `SglangCacheAware`):
 
 Both affinity policies take, among the replicas within the load bound, the one holding the
 longest cached prefix of the request's prompt (`Request.blocks`), the least loaded on ties and
-where none holds any. The bound is KubeAI's: load + 1 <= ceil((total + 1) / replicas x
-load_factor), over the replicas of the request's model.
+where none holds any. The bound is KubeAI's, with room added at light load: load + 1 <=
+ceil((total + 1) / replicas x load_factor) + SLACK, over the replicas of the request's model.
 
 Where the request may go to several models, these policies do not choose among them: they take
 the best model for its task that it may use, as a client that names a model would. With the
@@ -55,12 +55,24 @@ def model_for(request: Request, view: ClusterView, quality: Quality | None) -> s
     return max(models, key=lambda m: row.get(m, 0.0))
 
 
-def within_bound(view: ClusterView, model: str, load_factor: float) -> tuple[list[int], int]:
+SLACK = 8
+"""Requests a replica may run past the multiplicative bound before a request leaves its cached
+prefix (`PrefixAffinity`). At light load ceil(mean x 1.25) is a handful: with 2 replicas and 4
+requests in flight it is 3, and a conversation's next turn left its cache as soon as its holder
+ran one more than the other. There one more request in a batch costs a few percent of a step,
+and a cache miss a whole prefill. At heavy load the x 1.25 dominates (125 + 8 at 100 a
+replica). Chosen by a sweep of 0, 4, 8, 16 and 32 on seed 003's workload and its Zipf variant
+in the simulator (docs/results/prefix-aware.md)."""
+
+
+def within_bound(
+    view: ClusterView, model: str, load_factor: float, slack: int = 0
+) -> tuple[list[int], int]:
     """The available replicas of `model`, and the most requests one may run after taking this
-    one: ceil((total + 1) / replicas x load_factor), which some replica always meets."""
+    one: ceil((total + 1) / replicas x load_factor) + slack, which some replica always meets."""
     mine = [i for i, r in enumerate(view.replicas) if r.available and r.model == model]
     total = sum(view.replicas[i].running for i in mine)
-    return mine, math.ceil((total + 1) / len(mine) * load_factor)
+    return mine, math.ceil((total + 1) / len(mine) * load_factor) + slack
 
 
 class PrefixHash:
@@ -318,11 +330,13 @@ class PrefixAffinity:
         precise: bool,
         quality: Quality | None = None,
         load_factor: float = 1.25,
+        slack: int = SLACK,
     ) -> None:
         self.index = index
         self.precise = precise
         self.quality = quality
         self.load_factor = load_factor
+        self.slack = slack
         replicas = index.replicas
         self.pending = PrefixIndex(replicas, [PENDING_BLOCKS] * replicas) if precise else None
 
@@ -337,7 +351,7 @@ class PrefixAffinity:
     ) -> int:
         """`model`: route among its replicas (default: `model_for`'s choice)."""
         model = model or model_for(request, view, self.quality)
-        mine, bound = within_bound(view, model, self.load_factor)
+        mine, bound = within_bound(view, model, self.load_factor, self.slack)
         replicas = view.replicas
         fits = [i for i in mine if replicas[i].running + 1 <= bound]
         blocks = request.blocks or ()

@@ -123,7 +123,11 @@ def _prefix_closed_loop() -> dict:
                 f"c{c}t{turn}", 0.0, "x", answer, "free-tier", prompt_tokens=16 * len(blocks) + 5,
                 session_id=f"c{c}", blocks=blocks, answer_tokens=answer,
             ))  # fmt: skip
-    policy = PrefixAffinity(PrefixIndex(len(deployment.replicas)), True, deployment.quality)
+    # KubeAI's bound alone, as when the outcomes were pinned: the scenario pins the simulator,
+    # not the policy's defaults.
+    policy = PrefixAffinity(
+        PrefixIndex(len(deployment.replicas)), True, deployment.quality, slack=0
+    )
     events: list[int] = []
 
     def hear(replica: int, kind: str, hashes: list[int]) -> None:
