@@ -5,6 +5,7 @@ on, and SIGTERM drains every worker. Workers are told apart by the request log's
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from serving.launch import free_port
 from tests.support.servers import (
     CERT,
     METERED_KEY,
+    PYTHON,
     SINGLE_KEY,
     Server,
     launch,
@@ -30,9 +32,9 @@ from tests.support.servers import (
 )
 from tests.support.servers import write_test_config as write_config
 from tests.support.tiers import starts
-from transport.client import Http3Client, Http3Pool, StreamError
+from transport.client import PROBE_S, Http3Client, Http3Pool, StreamError
 from transport.workers import _without_workers
-from workloads.chat import chat_body, chat_h3
+from workloads.chat import CHAT_PATH, chat_body, chat_h3
 
 HI = [{"role": "user", "content": "hi"}]
 TRIES = 40
@@ -166,10 +168,11 @@ def test_a_killed_workers_client_is_reset_and_connects_again_to_one_that_serves(
     """The supervisor stands in for the dead worker: the client's next packet is answered with
     a stateless reset, its request fails with a clear error, and the pool's next request goes
     out on a new connection (refused on the dead worker's socket, served on the other's)."""
-    assert workers.h3_port is not None
+    port = workers.h3_port
+    assert port is not None
 
     async def through_the_kill() -> str:
-        async with Http3Pool("localhost", workers.h3_port, 1, verify=str(CERT)) as pool:
+        async with Http3Pool("localhost", port, 1, verify=str(CERT)) as pool:
             mine = await h3_worker(workers, pool.clients[0])
             pid = worker_pids(workers)[mine]
             os.kill(pid, signal.SIGKILL)
@@ -207,6 +210,47 @@ def test_a_restarted_worker_resets_the_connections_of_the_one_it_replaced(
             return str(reset.value)
 
     assert "stateless reset" in asyncio.run(through_the_restart())
+
+
+@pytest.mark.twin
+def test_a_client_with_nothing_to_send_learns_of_its_dead_worker_by_its_probe(
+    tmp_path: Path,
+) -> None:
+    """A client whose request is all sent, waiting for a first token, has no packet a reset
+    could answer: it probes a connection that has gone quiet with requests open (`PROBE_S`),
+    and the restarted worker resets the probe. One supervised worker, so no stand-in; an
+    upstream that takes 5 s to its first token, far past the kill and the restart."""
+    port = free_port()
+    command = [PYTHON, "-m", "workloads.null_server", "--port", str(port), "--h3-port", "0",
+               "--model", "up", "--first-token-ms", "5000"]  # fmt: skip
+    upstream = launch("slow-upstream", command, port, "/health", tmp_path).wait_ready()
+    config = null_remote_config(tmp_path, upstream)
+    tcp, udp = free_port(), free_port(socket.SOCK_DGRAM)
+    command = serving_command(config, "null_remote", tcp, "--h3-port", str(udp),
+                              "--workers", "1", "--separate-engines")  # fmt: skip
+    server = launch("one-worker", command, tcp, "/readyz", tmp_path, h3_port=udp).wait_ready()
+
+    async def through_the_kill() -> str:
+        async with h3_client(server) as client:
+            body = json.dumps(chat_body(HI, "tiny-s", 4)).encode()
+            asking = asyncio.ensure_future(
+                client.request("POST", CHAT_PATH, {"content-type": "application/json"}, body)
+            )
+            await asyncio.sleep(0.5)  # sent and acknowledged: the client has nothing to say
+            pid = worker_pids(server)[0]
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: worker_pids(server)[0] != pid, 30, "the worker's restart")
+            wait_until(lambda: serves(server, 0), 30, "the restarted worker to serve")
+            with pytest.raises(StreamError) as reset:
+                async with asyncio.timeout(PROBE_S + RESET_WITHIN_S):
+                    await asking
+            return str(reset.value)
+
+    try:
+        assert "stateless reset" in asyncio.run(through_the_kill())
+    finally:
+        server.stop()
+        upstream.stop()
 
 
 def test_sigterm_drains_every_worker(tmp_path: Path, null_upstream: Server) -> None:
