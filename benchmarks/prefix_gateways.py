@@ -113,12 +113,17 @@ def prefix_counts(urls: list[str]) -> tuple[float, float]:
     return queries, hits
 
 
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    """`workloads.replay`'s flags for this benchmark's requests (its `chat_workload`)."""
+    return ["--conversations", "sharegpt-16", "--num-conversations", str(args.conversations),
+            "--max-output-tokens", "16", "--max-prompt-tokens", "1900",
+            "--seed", str(args.seed)]  # fmt: skip
+
+
 def load(url: str, args: argparse.Namespace, out: Path) -> dict:
     command = [sys.executable, "-m", "workloads.replay", "--proto", "h1", "--url", url,
-               "--conversations", "sharegpt-16",
-               "--num-conversations", str(args.conversations), "--max-concurrency",
-               str(args.concurrency), "--max-output-tokens", "16", "--max-prompt-tokens", "1900",
-               "--seed", str(args.seed), "--no-progress", "--out", str(out)]  # fmt: skip
+               *workload_flags(args), "--max-concurrency", str(args.concurrency),
+               "--no-progress", "--out", str(out)]  # fmt: skip
     cpus = set(range(1, os.cpu_count() or 2)) or {0}
     subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip

@@ -23,7 +23,6 @@ requests chosen alike (issue 55's target: at least 90%), by the rule that chose 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from collections import Counter
@@ -33,19 +32,18 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import add_peer_arguments, install_peers, peer_command
-from benchmarks.prefix_gateways import load
+from benchmarks.prefix_gateways import load, workload_flags
 from router.prefix import SglangCacheAware, routing_text
 from router.text_tree import TextTree
 from serving.launch import free_port, launch
-from workloads import Request
+from workloads import Request, null_server
 from workloads.replay import chat_workload, parser
 
 
 def prompt_digest(request: Request) -> str:
     """`workloads.null_server.prompt_digest` of the body this request becomes."""
-    assert not isinstance(request.prompt, str | bytes) and isinstance(request.prompt, tuple)
-    said = [m.content for m in request.prompt]
-    return hashlib.sha1(json.dumps(said).encode()).hexdigest()
+    assert isinstance(request.prompt, tuple)
+    return null_server.prompt_digest({"messages": [{"content": m.content} for m in request.prompt]})
 
 
 def start_upstreams(stack: ExitStack, args: argparse.Namespace) -> tuple[list[str], list[Path]]:
@@ -125,10 +123,7 @@ def main() -> int:
         for line in log.read_text().splitlines():
             where[json.loads(line)["prompt_sha1"]] = i
     # The requests as the replay built them (prefix_gateways' flags), by id.
-    workload, _ = chat_workload(parser().parse_args([
-        "--conversations", "sharegpt-16", "--num-conversations", str(args.conversations),
-        "--max-output-tokens", "16", "--max-prompt-tokens", "1900", "--seed", str(args.seed),
-    ]))  # fmt: skip
+    workload, _ = chat_workload(parser().parse_args(workload_flags(args)))
     prompts = {r.request_id: r for r in workload}
     sent = sorted(
         (r for r in record["requests"] if r["error_kind"] is None),
