@@ -21,7 +21,8 @@ kill cut (`affected`): when the client learnt of it, by the stateless reset of t
 standing in for the worker or of the restarted worker (`reset_s`, from the kill), and when that
 connection's slot was served again, the first token of its next successful request
 (`next_served_s`, from the kill). The failed requests are split into those sent before the kill
-and those sent after it, before their client learnt. `wall_s` is the whole run, server start
+and those sent after it, before their client learnt (`lost_sent_*`: a refusal such as a 429 is
+an answer, not a loss). `wall_s` is the whole run, server start
 included.
 
     python -m benchmarks.worker_kill                      # 48 req/s, 60 s, kill at 20 s
@@ -52,6 +53,11 @@ def worker_pid(log: Path, worker: int) -> int | None:
     """The pid of the worker's last start, as the supervisor logged it."""
     started = re.findall(rf"worker {worker} started \(pid (\d+)\)", log.read_text(errors="replace"))
     return int(started[-1]) if started else None
+
+
+LOST = ("connection", "stream")
+"""The replay's error kinds of a request its connection or stream lost; the others (a 429 of
+admission control, a timeout) are not the kill's doing."""
 
 
 def worker_ready(log: Path, worker: int, pid: int) -> bool:
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"worker {line['worker']}: {line['outcome']}"
 
     failed = [r for r in replay["requests"] if r["error_kind"] is not None]
+    lost = [r for r in failed if r["error_kind"] in LOST]
     failed_where = Counter(where(r) for r in failed)
     kill_s = killed_wall - replay["run_started"]  # on the replay's clock
     sent = len(replay["requests"])
@@ -201,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "restart_s": restart_s,
         "ready_s": ready_s,
         "killed_worker": index,
+        "kill_s": kill_s,
         "stand_in": stand_in(server_log, index),
-        "failed_sent_before_kill": sum(r["arrival_s"] + r["lag_s"] <= kill_s for r in failed),
-        "failed_sent_after_kill": sum(r["arrival_s"] + r["lag_s"] > kill_s for r in failed),
+        # Of those lost (a broken connection or stream; a refusal such as a 429 is an answer).
+        "lost_sent_before_kill": sum(r["arrival_s"] + r["lag_s"] <= kill_s for r in lost),
+        "lost_sent_after_kill": sum(r["arrival_s"] + r["lag_s"] > kill_s for r in lost),
         **(cut_connections(replay["requests"], kill_s) if args.proto == "h3" else {}),
         "wall_s": wall_s,
         "engine_host_before": host_before,
@@ -220,7 +229,7 @@ def cut_connections(requests: list[dict], kill_s: float) -> dict:
     (its failures' end, all at once on a reset), and when its slot next served a first token."""
     affected: dict[str, list[dict]] = {}
     for r in requests:
-        if r["error_kind"] is not None and r["connection"]:
+        if r["error_kind"] in LOST and r["connection"]:
             affected.setdefault(r["connection"], []).append(r)
     cut = {}
     for name, lost in sorted(affected.items()):
