@@ -21,7 +21,9 @@ gateway: requests completed and failed, mean and p99 TTFT, and the prefix cache 
 replicas report in /metrics (`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, tokens,
 over the run). With `--rounds N` the gateways run in turn N times, and the table
 (prefix_gateways.md) gives each gateway's means and each one's paired difference from
-`--against` with its 95% interval.
+`--against` with its 95% interval. prefix_choices.md takes the same requests one by one
+(`benchmarks.prefix_choices`): which stayed on their conversation's replica, what each found
+cached (vLLM's usage), and what the choices that differ from `--against`'s cost.
 
     python -m benchmarks.prefix_gateways --install-peers           # 10 min
     python -m benchmarks.prefix_gateways --scrape-s 0 --gateways ours-precise,ours-rr
@@ -42,6 +44,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import prefix_choices
 from benchmarks.common import (
     add_peer_arguments,
     install_peers,
@@ -162,7 +165,10 @@ def main() -> int:
         per_token = 2 * build["num_layers"] * build["hidden_size"] * 4  # K and V, float32
         ports = [free_port() for _ in range(args.replicas)]
         events = [f"tcp://127.0.0.1:{port}" for port in ports]  # vLLM binds tcp://*:port
+        # Per request: what it found cached (in its usage) and which replica served it (each
+        # logs the id it answers with, which the peers pass on).
         flags = [("--dtype", "float32", "--block-size", str(BLOCK),
+                  "--enable-prompt-tokens-details", "--enable-log-requests",
                   "--kv-cache-memory-bytes", str(args.kv_blocks * BLOCK * per_token),
                   "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                     "publisher": "zmq",
@@ -206,6 +212,10 @@ def main() -> int:
     table = compare(rows, args.against)
     (args.out / "prefix_gateways.md").write_text(table)
     print(table)
+    # The same requests, one by one: where the gateways' choices differ, and what each cost.
+    choices = prefix_choices.report(prefix_choices.runs(args.out), args.against)
+    (args.out / "prefix_choices.md").write_text(choices)
+    print(choices)
     return 0
 
 

@@ -479,6 +479,7 @@ class Generation:
         self.record = record
         record.model, record.replica = replica.model, replica.name
         self.prompt_tokens = 0
+        self.cached_tokens: int | None = None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._queue: asyncio.Queue[TokenDelta | BaseException | object] = asyncio.Queue()
@@ -592,6 +593,8 @@ class Generation:
                 self._feedback.first_token(now - self.record.routed, False)
         self._last_at = now
         self.prompt_tokens = item.prompt_tokens or self.prompt_tokens
+        if item.cached_tokens is not None:
+            self.cached_tokens = item.cached_tokens
         before = self.completion_tokens
         self.completion_tokens += item.tokens
         if 0 < before < EARLY_PACE_TOKENS <= self.completion_tokens:
@@ -678,6 +681,7 @@ class Generation:
         record = self.record
         record.first_token, record.last_token = self._first_at, self._last_at
         record.prompt_tokens, record.tokens = self.prompt_tokens, self.completion_tokens
+        record.cached_tokens = self.cached_tokens
         if outcome == outcomes.OK:
             self.gateway.predictor.observe(self.request, self.completion_tokens)
             if (tpot := record.tpot_s) is not None:

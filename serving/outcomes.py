@@ -47,6 +47,8 @@ class RequestRecord:
     model: str | None = None
     replica: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    """Of the prompt's tokens, those its engine found cached, where the engine says."""
     tokens: int = 0
     client_rtt_s: float | None = None
     """The client's path as the router saw it (`transport.qos.path_of`): its smoothed RTT..."""
@@ -87,6 +89,7 @@ class RequestRecord:
                 "ttft_s": span(self.arrival, self.first_token),
                 "e2e_s": span(self.arrival, self.last_token),
                 "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "tokens": self.tokens,
                 "client_rtt_s": self.client_rtt_s,
                 "client_loss": self.client_loss,

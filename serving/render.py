@@ -126,15 +126,21 @@ class Shape:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        cached = [g.cached_tokens for g in generations if g.cached_tokens is not None]
+        if len(cached) == len(generations):
+            body["usage"]["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
         return body
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         g = self.generation
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": g.prompt_tokens,
             "completion_tokens": g.completion_tokens,
             "total_tokens": g.prompt_tokens + g.completion_tokens,
         }
+        if g.cached_tokens is not None:  # as vLLM with --enable-prompt-tokens-details
+            usage["prompt_tokens_details"] = {"cached_tokens": g.cached_tokens}
+        return usage
 
     @overload
     def sse(self, include_usage: bool, relay: Literal[False] = False) -> AsyncIterator[str]: ...

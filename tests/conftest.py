@@ -142,6 +142,7 @@ class SessionServers:
             "--port", str(self.upstream_port), "--chat-template", str(template),
             "--enforce-eager", "--max-model-len", "2048",
             "--kv-cache-memory-bytes", str(256 * 2**20),
+            "--enable-prompt-tokens-details",  # usage says how much of a prompt was cached
             "--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
                 # A wildcard host: vLLM binds it. (To a host it names, vLLM connects instead.)

@@ -80,6 +80,18 @@ async def test_a_stream_over_the_link_is_the_engines_own(hosted: Hosted) -> None
     assert sum(d.tokens for d in over_link) == 12 and over_link[-1].finish_reason == "length"
     assert over_link[-1].prompt_tokens == direct[-1].prompt_tokens > 0
     assert linked.unfinished() == 0
+    # A long prompt twice: the second is told what the engine's prefix cache held.
+    long = (Message("user", "Hello there " * 100),)
+    told = [
+        [
+            d.cached_tokens
+            for d in await collect(linked, Request(f"long{i}", 0.0, long, 3, "free-tier"), EXACT)
+        ]
+        for i in range(2)
+    ]
+    # Said once, on the first delta (how many deltas three tokens make depends on timing).
+    assert told[0][0] == 0 and told[1][0] > 0
+    assert set(told[0][1:] + told[1][1:]) <= {None}
     await linked.close()
 
 

@@ -12,13 +12,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from config import load_deployment
-from router.kv_cache import STORED
+from router.prefix import PrefixIndex
 from serving.engines.kv_events import Rehasher, subscribe
 from serving.engines.prompts import gateway_counter
 from tests.conftest import SessionServers
@@ -49,43 +50,58 @@ def test_remote_engine_streams_from_vllm_serve(remote_server: Server, upstream: 
 
 
 def test_vllms_kv_events_name_the_blocks_the_gateway_counts(
-    session_servers: SessionServers, upstream: Server
+    session_servers: SessionServers, upstream: Server, remote_server: Server
 ) -> None:
     """vLLM's BlockStored events, heard over ZMQ and re-hashed, name exactly the blocks the
-    gateway hashed for the same chat before routing it: what the precise prefix index matches."""
+    gateway hashed for the same chat before routing it: what the precise prefix index matches.
+    And for the conversation's next turn, the blocks that index holds are the tokens vLLM
+    reports it found cached, as the gateway relays vLLM's usage."""
     deployment = load_deployment(session_servers.config, "remote_test")
     endpoint = deployment.replicas[0].kv_events
     counter = gateway_counter(deployment)
     assert endpoint is not None and counter is not None
     words = " ".join(f"word{i % 97}" for i in range(150))
-    messages = [{"role": "user", "content": f"Remember these: {words}"}]
-    request = Request("kv", 0.0, (Message("user", messages[0]["content"]),), 2, "free-tier")
-    stored: set[int] = set()
+    first = (Message("user", f"Remember these: {words}"),)
+    index = PrefixIndex(1)
 
-    def hear(kind: str, hashes: list[int]) -> None:
-        if kind == STORED:
-            stored.update(hashes)
+    def chat(turns: tuple[Message, ...]) -> dict[str, Any]:
+        return {"model": "tiny-s", "max_tokens": 2,
+                "messages": [{"role": m.role, "content": m.content} for m in turns]}  # fmt: skip
 
-    async def send_and_hear() -> tuple[int, ...]:
-        blocks = (await counter.count(request, 2048)).blocks or ()
+    async def blocks(turns: tuple[Message, ...]) -> tuple[int, ...]:
+        counted = await counter.count(Request("kv", 0.0, turns, 2, "free-tier"), 2048)
+        return counted.blocks or ()
+
+    async def send_and_hear() -> tuple[tuple[int, ...], int, dict[str, Any]]:
+        mine = await blocks(first)
         per = 128 // deployment.hash_block  # vLLM's blocks on CPU are 128 tokens
-        whole = blocks[: len(blocks) // per * per]
-        rehasher = Rehasher(deployment.hash_block, hear)
+        whole = mine[: len(mine) // per * per]
+        rehasher = Rehasher(
+            deployment.hash_block, lambda kind, hashes: index.event(0, kind, hashes)
+        )
         listening = asyncio.create_task(subscribe(endpoint, rehasher, "upstream"))
         await asyncio.sleep(1.0)  # a ZMQ subscriber hears only what is published once joined
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"model": "tiny-s", "messages": messages, "max_tokens": 2}
-            (await client.post(upstream.url + "/v1/chat/completions", json=body)).raise_for_status()
-        for _ in range(100):
-            if set(whole) <= stored:
-                break
-            await asyncio.sleep(0.1)
+            answer = await client.post(upstream.url + "/v1/chat/completions", json=chat(first))
+            answer.raise_for_status()
+            for _ in range(100):
+                if index.match(whole, [0])[0] == len(whole):
+                    break
+                await asyncio.sleep(0.1)
+            # The next turn carries the first, through the gateway, which relays vLLM's usage.
+            reply = answer.json()["choices"][0]["message"]["content"]
+            turns = (*first, Message("assistant", reply), Message("user", "And the next?"))
+            held = index.match(await blocks(turns), [0])[0]
+            then = await client.post(remote_server.url + "/v1/chat/completions", json=chat(turns))
+            then.raise_for_status()
         listening.cancel()
-        return whole
+        return whole, held, then.json()["usage"]
 
-    whole = asyncio.run(send_and_hear())
+    whole, held, usage = asyncio.run(send_and_hear())
     assert len(whole) >= 16, whole  # several of vLLM's 128-token blocks
-    assert set(whole) <= stored
+    assert index.match(whole, [0])[0] == len(whole)
+    assert held >= len(whole)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": held * deployment.hash_block}
 
 
 def test_load_another_client_puts_on_vllm_serve_reaches_the_gateways_view(

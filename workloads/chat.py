@@ -37,6 +37,9 @@ class ChatResult:
     replica: str | None = None
     request_id: str | None = None
     """The server's `x-request-id`: its name for the request in its logs."""
+    response_id: str | None = None
+    """The chunks' `id`. A peer gateway passes on vLLM's, which vLLM logs with
+    `--enable-log-requests`."""
     text: str = ""
     ttft_s: float | None = None
     """From the request going out to the first chunk with choices."""
@@ -47,7 +50,7 @@ class ChatResult:
     credit_wait_s: float = 0.0
     """How long the request waited in the client for a stream before it went out (HTTP/3's
     stream credit, or the load generator's HTTP/2 stream limit); not part of TTFT or E2EL."""
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     error: str | None = None
     connection: str | None = None
     """HTTP/3: the name of the client connection that carried it (`Http3Pool`'s)."""
@@ -188,6 +191,8 @@ async def read_chat_stream(
             continue
         if event.get("usage"):
             result.usage = event["usage"]
+        if result.response_id is None:
+            result.response_id = event.get("id")
         choices = event.get("choices")
         if not choices:
             continue

@@ -277,11 +277,12 @@ async def run_one(
         outcome.end_s = time.perf_counter() - start
     outcome.connection = result.connection
     outcome.status, outcome.model, outcome.replica = result.status, result.model, result.replica
-    outcome.server_request_id = result.request_id
+    outcome.server_request_id, outcome.response_id = result.request_id, result.response_id
     outcome.credit_wait_s = result.credit_wait_s
     outcome.ttft_s, outcome.itl_s, outcome.e2el_s = result.ttft_s, result.itl_s, result.e2el_s
     usage = result.usage or {}
     outcome.prompt_tokens = usage.get("prompt_tokens", request.prompt_tokens)
+    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     outcome.output_tokens = usage.get(
         "completion_tokens", len(result.itl_s) + (result.ttft_s is not None)
     )

@@ -36,6 +36,8 @@ class Outcome:
     """HTTP/3: how long it then waited in the client for stream credit (not in TTFT or E2EL)."""
     server_request_id: str | None = None
     """The server's x-request-id, to find the request in the server's log."""
+    response_id: str | None = None
+    """The id in its answer's chunks (vLLM's, where a peer gateway passes them on)."""
     status: int | None = None
     error_kind: str | None = None
     error: str | None = None
@@ -45,6 +47,9 @@ class Outcome:
     itl_s: list[float] = field(default_factory=list)
     e2el_s: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Of those, what the engine found cached, where the server says
+    (`usage.prompt_tokens_details.cached_tokens`)."""
     output_tokens: int = 0
     slo_met: bool = False
     reward: float = 0.0

@@ -69,6 +69,10 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     """On the first delta, where `Sampling.echo` and `Sampling.logprobs` asked: one per prompt
     token."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine found in its prefix cache (OpenAI's
+    `usage.prompt_tokens_details.cached_tokens`), where it says: on any delta, the last one at
+    the latest."""
 
 
 UNFINISHED = frozenset({"abort", "error"})

@@ -14,10 +14,10 @@ Frames are msgpack arrays, each after its length (4 bytes, big-endian):
 - worker to host: `["add", request, replica, sampling]` (the `asdict` forms) and
   `["abort", request_id]`;
 - host to worker: `["out", [[request_id, text, tokens, prompt_tokens, finish_reason, extra],
-  ...]]` (`extra`: None, or a delta's logprobs and echo as a map), `["end", request_id]` once
-  the engine is done with a request, `["error", request_id, kind, message, param, code]`
-  (`kind`: unavailable, invalid or engine), and `["load", {replica: [running, waiting,
-  batch_cap, healthy]}]` every LOAD_REPORT_S while it changes.
+  ...]]` (`extra`: None, or a delta's logprobs, echo and cached tokens as a map),
+  `["end", request_id]` once the engine is done with a request, `["error", request_id, kind,
+  message, param, code]` (`kind`: unavailable, invalid or engine), and `["load", {replica:
+  [running, waiting, batch_cap, healthy]}]` every LOAD_REPORT_S while it changes.
 """
 
 from __future__ import annotations
@@ -56,21 +56,27 @@ CONNECT_TIMEOUT_S = 5.0
 _LENGTH = struct.Struct(">I")
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
-_EXTRA = ("logprobs", "prompt_text", "prompt_logprobs")
+_EXTRA = ("logprobs", "prompt_text", "prompt_logprobs", "cached_tokens")
 
 
 class _Extra(msgspec.Struct):
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_text: str | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    cached_tokens: int | None = None
 
 
 def delta_row(request_id: str, delta: TokenDelta) -> list[Any]:
     """A delta as the host sends it: a flat row, with the rare fields only where set."""
     extra = None
-    if delta.logprobs or delta.prompt_text is not None or delta.prompt_logprobs is not None:
+    if (
+        delta.logprobs
+        or delta.prompt_text is not None
+        or delta.prompt_logprobs is not None
+        or delta.cached_tokens is not None
+    ):
         extra = msgspec.to_builtins(
-            _Extra(delta.logprobs, delta.prompt_text, delta.prompt_logprobs)
+            _Extra(delta.logprobs, delta.prompt_text, delta.prompt_logprobs, delta.cached_tokens)
         )
     return [request_id, delta.text, delta.tokens, delta.prompt_tokens, delta.finish_reason, extra]
 

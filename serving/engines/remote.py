@@ -19,7 +19,7 @@ import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -91,9 +91,15 @@ class _Choice(msgspec.Struct):
     finish_reason: str | None = None
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: _PromptDetails | None = None
+    """On vLLM's last usage chunk, with `--enable-prompt-tokens-details`."""
 
 
 class _Chunk(msgspec.Struct):
@@ -315,10 +321,13 @@ class RemoteEngine:
                 param="logprobs" if sampling.logprobs is not None else "echo",
             )
         held = self._open[request.request_id] = _Open()
-        finished = False
         try:
             held.response = await self._start(request, sampling)
             generated = 0
+            # The last delta waits for the usage chunk that follows it: that alone says how
+            # much of the prompt was cached.
+            last: TokenDelta | None = None
+            cached: int | None = None
             async for data in held.response.events():
                 held.reads += 1
                 chunk = decode_chunk(data)
@@ -326,22 +335,29 @@ class RemoteEngine:
                     raise EngineError(f"{self.config.name}: {_text(chunk.error)}")
                 usage = chunk.usage
                 if not chunk.choices:
+                    details = usage.prompt_tokens_details if usage else None
+                    if details is not None:
+                        cached = details.cached_tokens
                     continue
                 choice = chunk.choices[0]
                 delta = choice.delta
                 text = (delta.content if delta is not None else choice.text) or ""
                 # vLLM's continuous usage gives exact counts; other servers send one token a chunk.
                 total = usage.completion_tokens if usage else generated + (1 if text else 0)
-                finished = choice.finish_reason is not None
-                yield TokenDelta(
+                out = TokenDelta(
                     text=text,
                     tokens=total - generated,
                     prompt_tokens=usage.prompt_tokens if usage else 0,
                     finish_reason=choice.finish_reason,
                 )
                 generated = total
-            if not finished:
+                if choice.finish_reason is None:
+                    yield out
+                else:
+                    last = out
+            if last is None:
                 raise EngineError(f"{self.config.name}: the stream ended before the answer did")
+            yield last if cached is None else replace(last, cached_tokens=cached)
         except msgspec.DecodeError as exc:
             raise EngineError(f"{self.config.name}: a chunk that is not JSON: {exc}") from exc
         except TimeoutError as exc:

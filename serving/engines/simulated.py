@@ -203,6 +203,7 @@ class SimulatedEngine:
         stream = self._admit(
             replace(request, prompt_tokens=prompt_tokens, blocks=blocks), tokens, sampling
         )
+        first = self._batch.kv is not None  # then the first delta says what was cached
         try:
             while True:
                 await stream.ready.wait()
@@ -211,9 +212,10 @@ class SimulatedEngine:
                     raise stream.error
                 text, stream.sent = stream.text[stream.sent :], len(stream.text)
                 delta = TokenDelta(
-                    text, stream.tokens, prompt_tokens, stream.finish, prompt_text=echo
-                )
-                stream.tokens, echo = 0, None
+                    text, stream.tokens, prompt_tokens, stream.finish, prompt_text=echo,
+                    cached_tokens=stream.job.cached_tokens if first else None,
+                )  # fmt: skip
+                stream.tokens, echo, first = 0, None, False
                 yield delta
                 if stream.finish is not None:
                     return

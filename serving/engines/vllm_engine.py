@@ -231,7 +231,7 @@ class VllmEngine:
         prompts = self._prompts
         ids = await prompts.ids(request, self.max_model_len)
         params = self._sampling_params(request, sampling, len(ids))
-        echo = sampling.echo
+        echo, first = sampling.echo, True
         try:
             # Closing this generator early (client gone, deadline) makes vLLM abort the request.
             async for out in llm.generate(
@@ -250,6 +250,7 @@ class VllmEngine:
                     tokens=len(completion.token_ids),
                     prompt_tokens=len(ids),
                     finish_reason=finish,
+                    cached_tokens=out.num_cached_tokens if first else None,
                     logprobs=(
                         _logprobs(completion.token_ids, completion.logprobs or (), k, prompts)
                         if k is not None
@@ -262,7 +263,7 @@ class VllmEngine:
                         else None
                     ),
                 )
-                echo = False  # the prompt goes with the first delta only
+                echo = first = False  # the prompt goes with the first delta only
         except EngineDeadError as exc:
             # Not EngineUnavailable: the request was accepted, and may be what killed the engine.
             raise EngineError(f"{self.config.name}: the engine died") from exc
