@@ -9,7 +9,8 @@ CPU 1; each gateway in turn on CPU 0, with no admission control (the peers have 
 - `ours-precise`, `ours-approx`, `ours-hash`, `ours-rr`: `python -m serving` with the two
   replicas as a remote deployment of one model, `--policy prefix-precise` (its index fed by
   the replicas' KV cache events, which they publish over ZMQ), `prefix-approx`, `prefix-hash`
-  or `round-robin`;
+  or `round-robin`; `ours-precise-unscraped`: prefix-precise reading no replica's /metrics
+  (`--scrape-s 0` for it alone), to run beside `ours-precise` in the same rounds;
 - `sglang-router` and `vllm-router` with `--policy cache_aware`, from `--peers-venv`.
 
 The load asks for model `auto` (the replicas answer to it too, so the peers may pass it on),
@@ -27,6 +28,7 @@ cached (vLLM's usage), and what the choices that differ from `--against`'s cost.
 
     python -m benchmarks.prefix_gateways --install-peers           # 10 min
     python -m benchmarks.prefix_gateways --scrape-s 0 --gateways ours-precise,ours-rr
+    python -m benchmarks.prefix_gateways --lone 60 --gateways ours-precise,sglang-router
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ from serving.launch import ROOT, free_port, launch, shipped_spec
 
 GATEWAYS = ("ours-precise", "ours-approx", "ours-hash", "ours-rr", "sglang-router", "vllm-router")
 OURS = {"ours-precise": "prefix-precise", "ours-approx": "prefix-approx",
-        "ours-hash": "prefix-hash", "ours-rr": "round-robin"}  # fmt: skip
+        "ours-hash": "prefix-hash", "ours-rr": "round-robin",
+        "ours-precise-unscraped": "prefix-precise"}  # fmt: skip
+UNSCRAPED = "-unscraped"
+"""A gateway name's suffix: ours, reading no replica's /metrics (`--scrape-s 0`), beside one
+that does, in the same rounds."""
 BLOCK = 128
 
 
@@ -74,7 +80,9 @@ def start_gateway(
         # prompts and hash their blocks (vLLM's block size), and where they publish their KV
         # events (which only prefix-precise reads).
         config = remote_config(folder, urls, model=model, served=model, name="prefix-upstreams",
-                               each=[{"kv_events": e, "scrape_s": scrape_s} for e in events],
+                               each=[{"kv_events": e,
+                                      "scrape_s": 0.0 if name.endswith(UNSCRAPED) else scrape_s}
+                                     for e in events],
                                engine_args={"block_size": BLOCK})  # fmt: skip
         command = [sys.executable, "-m", "serving", "--config", str(config),
                    "--deployment", "prefix-upstreams", "--policy", OURS[name],
@@ -154,6 +162,12 @@ def main() -> int:
         help="the gateway the others' paired differences are taken from (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lone", type=int, default=0, metavar="N",
+        help="instead of the rounds: N lone requests (a short chat, one token) one at a time "
+        "through each gateway and straight to the first replica, alternating: each gateway's "
+        "own time on an idle path",
+    )  # fmt: skip
     add_peer_arguments(parser, "prefix_gateways")
     args = parser.parse_args()
     if args.install_peers:
@@ -176,6 +190,9 @@ def main() -> int:
                  for port in ports]  # fmt: skip
         dev = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
         urls = start_vllm(replicas, args.out, [args.model, "auto"], flags, dev, args.model)
+        if args.lone:
+            print(lone(replicas, urls, events, args))
+            return 0
         for round_ in range(args.rounds):
             for name in args.gateways.split(","):
                 for url in urls:
@@ -217,6 +234,42 @@ def main() -> int:
     (args.out / "prefix_choices.md").write_text(choices)
     print(choices)
     return 0
+
+
+def lone(stack: ExitStack, urls: list[str], events: list[str], args: argparse.Namespace) -> str:
+    """Every gateway up at once, then `args.lone` rounds of one short request through each in
+    turn and one straight to the first replica, from CPU 1: each one's TTFT, and its median
+    excess over the direct request's of the same round."""
+    fronts = {"vLLM direct": urls[0]}
+    for name in args.gateways.split(","):
+        front = start_gateway(stack, name, urls, events, args.out, args.peers_venv, args.model,
+                              args.scrape_s)  # fmt: skip
+        if front:
+            fronts[name] = front
+    os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})
+    ttft: dict[str, list[float]] = {name: [] for name in fronts}
+    with httpx.Client(timeout=60) as client:
+        for i in range(args.lone + 3):  # the first 3 warm each path up
+            for name, url in fronts.items():
+                chat = [{"role": "user", "content": f"Hello number {i} {name}"}]
+                body = {"model": "auto", "max_tokens": 1, "stream": True, "messages": chat}
+                start = time.perf_counter()
+                first = None
+                with client.stream("POST", url + "/v1/chat/completions", json=body) as answer:
+                    for line in answer.iter_lines():
+                        if first is None and line.startswith('data: {"') and '"choices":[{' in line:
+                            first = 1000 * (time.perf_counter() - start)
+                if i >= 3 and first is not None:
+                    ttft[name].append(first)
+    direct = ttft["vLLM direct"]
+    lines = [f"{args.lone} lone requests each, one at a time (TTFT, ms)", "",
+             "| path | median | mean | median excess over direct |",
+             "|---|---|---|---|"]  # fmt: skip
+    for name, mine in ttft.items():
+        excess = [a - b for a, b in zip(mine, direct, strict=False)]
+        lines.append(f"| {name} | {np.median(mine):.1f} | {np.mean(mine):.1f} | "
+                     f"{np.median(excess):+.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 METRICS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_ttft_ms", "p99 TTFT (ms)"),
