@@ -5,6 +5,8 @@ leg of a `remote` deployment alone. `--paths` chooses among:
 - `in-process`: `python -m serving`, the engine (vLLM's AsyncLLM) in the front-end's process;
 - `engine-host`: `python -m serving --separate-engines`, the engine in `serving.engine_host`,
   the one front-end worker reaching it over the engine link (what `--workers N` runs);
+- `engine-host-tcp`: the same engine host on TCP with a link token (`--listen`), as one on
+  another host is reached (its placement entry names it: `engine_host`);
 - `vllm-serve`: vLLM's own OpenAI server for the engine, the front-end reaching it as a remote
   replica (HTTP/SSE, `RemoteEngine`);
 - `leg-shipped`, `leg-raw`, `leg-raw-push`: the upstream leg alone, as shipped and as a
@@ -48,6 +50,8 @@ import asyncio
 import itertools
 import json
 import os
+import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -69,12 +73,12 @@ from config import ReplicaConfig
 from experiments.harness.live import cpu_seconds
 from serving.engines.base import Sampling, TokenDelta
 from serving.engines.remote import RemoteEngine, decode_chunk
-from serving.launch import ROOT, free_port, launch, serving_command, shipped_spec
+from serving.launch import ROOT, Launched, free_port, launch, serving_command, shipped_spec
 from transport.process_tree import tree
 from workloads import Message, Request
 
-SERVERS = ("in-process", "engine-host", "vllm-serve")
-"""Whole servers on one real vLLM engine, three ways (see the module)."""
+SERVERS = ("in-process", "engine-host", "engine-host-tcp", "vllm-serve")
+"""Whole servers on one real vLLM engine, four ways (see the module)."""
 
 
 def vllm_env() -> dict[str, str]:
@@ -86,13 +90,18 @@ def vllm_env() -> dict[str, str]:
             "TORCHDYNAMO_DISABLE": "1"}  # fmt: skip
 
 
-def config(folder: Path, upstream_port: int) -> Path:
-    """models.yaml with two deployments of one tiny-s engine: its own (`bench_hosted`) and the
-    `vllm serve` on `upstream_port` (`bench_remote`)."""
+def config(folder: Path, upstream_port: int, link_port: int) -> Path:
+    """models.yaml with three deployments of one tiny-s engine: its own (`bench_hosted`), the
+    engine host on TCP at `link_port` (`bench_tcp`), and the `vllm serve` on `upstream_port`
+    (`bench_remote`)."""
     spec = shipped_spec()
     spec["placements"]["bench_hosted"] = [
         {"model": "tiny-s", "device": "cpu", "kv_cache_gib": 0.25}
     ]
+    spec["placements"]["bench_tcp"] = [
+        {"model": "tiny-s", "device": "cpu", "kv_cache_gib": 0.25,
+         "engine_host": f"127.0.0.1:{link_port}"}
+    ]  # fmt: skip
     spec["placements"]["bench_remote"] = [
         {"model": "tiny-s", "url": f"http://127.0.0.1:{upstream_port}/v1", "served_name": "tiny-s"}
     ]
@@ -101,11 +110,26 @@ def config(folder: Path, upstream_port: int) -> Path:
         "placement": "bench_hosted", "policy": policy, "admission": {"rule": "none"},
         "engine_args": {"enforce_eager": True, "max_model_len": 2048},
     }  # fmt: skip
+    spec["deployments"]["bench_tcp"] = spec["deployments"]["bench_hosted"] | {
+        "placement": "bench_tcp"
+    }
     spec["deployments"]["bench_remote"] = {"placement": "bench_remote", "policy": policy,
                                            "admission": {"rule": "none"}}  # fmt: skip
     path = folder / "models.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def wait_for_port(launched: Launched, port: int, timeout_s: float = 300) -> None:
+    """Until something answers on `port` (an engine host has no HTTP to ask)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if launched.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{launched.name} did not serve port {port}:\n{launched.tail()}")
+        time.sleep(0.2)
 
 
 def roles(front: int, upstream: int | None) -> dict[int, str]:
@@ -396,8 +420,10 @@ def measure_servers(args: argparse.Namespace, paths: list[str]) -> None:
     """Each of `paths` (of `SERVERS`): a server on one tiny-s engine, a closed loop against it."""
     args.out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "serving.embedded"], cwd=ROOT, check=True)
-    upstream_port = free_port()
-    models = config(args.out, upstream_port)
+    upstream_port, link_port = free_port(), free_port()
+    models = config(args.out, upstream_port, link_port)
+    token = args.out / "link-token"
+    token.write_text(secrets.token_hex(16))
     template = args.out / "chat_template.jinja"
     template.write_text(yaml.safe_load((ROOT / "models.yaml").read_text())["chat_template"])
     rows: list[dict] = []
@@ -419,8 +445,20 @@ def measure_servers(args: argparse.Namespace, paths: list[str]) -> None:
                                                         vllm_env()))  # fmt: skip
                     served.ready(300)
                     upstream = served.pid
-                deployment = "bench_remote" if path == "vllm-serve" else "bench_hosted"
-                flags = ["--config", str(models), "--h3-port", "0", "--request-log", "off"]
+                if path == "engine-host-tcp":
+                    link = f"127.0.0.1:{link_port}"
+                    command = [sys.executable, "-m", "serving.engine_host", "--config",
+                               str(models), "--deployment", "bench_tcp", "--listen", link,
+                               "--link-token-file", str(token)]  # fmt: skip
+                    host = stack.enter_context(launch("engine host", command, link_port, "",
+                                                      args.out / "engine-host.log"))  # fmt: skip
+                    wait_for_port(host, link_port)
+                    upstream = host.pid
+                deployment = {"vllm-serve": "bench_remote", "engine-host-tcp": "bench_tcp"}.get(
+                    path, "bench_hosted"
+                )
+                flags = ["--config", str(models), "--h3-port", "0", "--request-log", "off",
+                         "--link-token-file", str(token)]  # fmt: skip
                 flags += ["--separate-engines"] if path == "engine-host" else []
                 front = stack.enter_context(launch("serving", serving_command(deployment, port,
                                                    *flags), port, "/readyz",
@@ -444,6 +482,14 @@ def measure_servers(args: argparse.Namespace, paths: list[str]) -> None:
         ours, engine = median("front-end"), median("engine front")
         print(f"| {path} | {median('tokens_per_s'):.0f} | {ours:.0f} | {engine:.0f} "
               f"| {ours + engine:.0f} | {median('engine core'):.0f} |")  # fmt: skip
+    if {"engine-host", "engine-host-tcp"} <= set(paths):
+        # Round by round, so that the VM's drift falls on both alike.
+        both = {(r["round"], r["path"]): r.get("front-end", 0.0) + r.get("engine front", 0.0)
+                for r in rows}  # fmt: skip
+        ratios = [both[k, "engine-host-tcp"] / both[k, "engine-host"] for k in range(args.rounds)]
+        print(f"\nTCP link / Unix-socket link, CPU per output token (both sides): "
+              f"{statistics.median(ratios):.2f}x median of rounds "
+              f"({', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ class ReplicaConfig:
     """Tokens its KV cache holds, whole blocks (`kv_capacity`); None where nothing sizes it."""
     block_size: int = 16
     """Tokens per KV block: engine_args' block_size, else vLLM's default for the device."""
+    engine_host: str | None = None
+    """HOST:PORT of the engine host that runs it (`serving.engine_host --listen`); None: this
+    server runs it."""
 
     def engine_int(self, name: str, default: int) -> int:
         """An integer vLLM argument (max_model_len, max_num_seqs) of `engine_args`, else
@@ -198,6 +201,19 @@ class Deployment:
     def remote(self) -> bool:
         """Every replica is a server behind a URL."""
         return _all_remote(self.replicas)
+
+    @property
+    def engine_hosts(self) -> list[str]:
+        """The engine hosts its placement names (HOST:PORT), in order."""
+        return list(dict.fromkeys(r.engine_host for r in self.replicas if r.engine_host))
+
+    def run_by(self, engine_host: str | None) -> Deployment:
+        """The replicas engine host `engine_host` runs, as its own (their names keep the host);
+        None: those a server runs itself, neither behind a URL nor on an engine host."""
+        mine = [replace(r, engine_host=None) for r in self.replicas if r.engine_host == engine_host]
+        if engine_host is None:
+            mine = [r for r in mine if r.url is None]
+        return replace(self, replicas=mine)
 
     @property
     def max_batch(self) -> int | None:
@@ -420,6 +436,8 @@ def _replicas(
         locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
         for device, url in locations:
             where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]
+            if entry.engine_host is not None:  # each host has its own cuda:0
+                where = f"{entry.engine_host}/{device}"
             args = {**engine_args, **entry.engine_args}
             block_size = _engine_int(
                 "block_size", args.get("block_size", CPU_BLOCK_SIZE if device == "cpu" else 16)
@@ -445,6 +463,7 @@ def _replicas(
                         f"placements.{placement}: {entry.model}", model, entry, profile, block_size
                     ),
                     block_size=block_size,
+                    engine_host=entry.engine_host,
                 )
             )
     names = [r.name for r in replicas]

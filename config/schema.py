@@ -111,6 +111,8 @@ class Quality(Strict):
 
 
 _CPU_LIST = r"^\d+(-\d+)?(,\d+(-\d+)?)*$"
+_HOST_PORT = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$"
+"""HOST:PORT, an IPv6 host in brackets."""
 
 
 class ReplicaEntry(Strict):
@@ -135,6 +137,10 @@ class ReplicaEntry(Strict):
     """With url: the ZMQ endpoint where that vLLM publishes its KV cache events (its
     --kv-events-config endpoint, with a host: "tcp://10.0.0.5:5557"), which the precise
     prefix index (policy prefix-precise) reads."""
+    engine_host: Annotated[str, Field(pattern=_HOST_PORT)] | None = None
+    """With device or devices: the engine host (`python -m serving.engine_host --listen`, on
+    the node with those devices) that runs these replicas, as HOST:PORT; the front-ends reach
+    them over the engine link on TCP. None: this server's own engines."""
 
     @model_validator(mode="after")
     def _one_location(self) -> ReplicaEntry:
@@ -144,6 +150,8 @@ class ReplicaEntry(Strict):
         for name in ("scrape_s", "kv_events"):
             if getattr(self, name) is not None and self.url is None:
                 raise ValueError(f"{name} is only for a replica behind a url")
+        if self.engine_host is not None and self.url is not None:
+            raise ValueError("engine_host is for replicas on devices, not behind a url")
         for device in self.device_list():
             if not (device == "cpu" or device.startswith("cuda:")):
                 raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
+from serving.engines.engine_link import read_link_token
 from serving.metrics import count_lost
 from serving.shared_view import SharedView
 from transport.cli import add_server_arguments, prepare
@@ -99,6 +100,11 @@ def main() -> int:
         "engine link, even with one worker; with several and engines that are not remote, "
         "they always are",
     )
+    parser.add_argument(
+        "--link-token-file",
+        help="the shared secret the engine hosts of other hosts ask for (placement entries with "
+        "engine_host; a mounted Kubernetes Secret)",
+    )
     # What the supervisor tells a worker (not for people): where the engine host's link is, and
     # the folder of what the workers share (`serving.shared_view`).
     parser.add_argument("--engine-host", help=argparse.SUPPRESS)
@@ -115,6 +121,17 @@ def main() -> int:
             deployment = deployment.with_policy_file(args.policy_file)
     except ConfigError as exc:
         parser.error(str(exc))
+    link_token = None
+    if args.link_token_file is not None:
+        try:
+            link_token = read_link_token(args.link_token_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--link-token-file: {exc}")
+    elif deployment.engine_hosts:
+        parser.error(
+            f"deployment {deployment.name} has replicas on engine hosts "
+            f"({', '.join(deployment.engine_hosts)}): give their --link-token-file"
+        )
     if args.worker_index is None and (args.workers > 1 or args.separate_engines):
         return _supervise(args, deployment, setup.listen, setup.reset_key)
     _route_request_log(args.request_log)
@@ -125,6 +142,7 @@ def main() -> int:
         app = build_app(
             deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host,
             SharedView.attach(args.shared_view, deployment) if args.shared_view else None,
+            link_token,
         )  # fmt: skip
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")
@@ -167,7 +185,8 @@ def _supervise(
     env = {"PROMETHEUS_MULTIPROC_DIR": str(view.metrics)}
     forget = partial(_forget, view)
     try:
-        if not deployment.remote:  # else every worker is a client of the servers themselves
+        # Else every worker is a client of the servers or engine hosts themselves.
+        if deployment.run_by(None).replicas:
             host = ["--config", args.config, "--log-level", args.log_level]
             host += ["--deployment", deployment.name]
             host += ["--time-scale", str(args.time_scale)] if args.time_scale is not None else []

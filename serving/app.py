@@ -36,14 +36,16 @@ def build_app(
     worker: int | None = None,
     engine_host: str | None = None,
     shared_view: SharedView | None = None,
+    link_token: str | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
     `worker`: this process's index among `--workers`, which its request log names;
     `engine_host`: where the engine link is, when the engines run in an engine host;
     `shared_view`: what the workers share (`serving.shared_view`), where this worker
-    publishes its arrivals, its requests and its keys' counts, and reads the others'."""
-    replicas = ReplicaSet.from_deployment(deployment, engine_host)
+    publishes its arrivals, its requests and its keys' counts, and reads the others';
+    `link_token`: what engine hosts on other hosts ask of a front-end (`--link-token-file`)."""
+    replicas = ReplicaSet.from_deployment(deployment, engine_host, link_token)
     index = worker or 0
     rate = accounts = peers = None
     if shared_view is not None:

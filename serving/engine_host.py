@@ -3,6 +3,11 @@ in a process of their own, served over the engine link (`serving.engines.engine_
 front-end worker that connects to PATH. `python -m serving --workers N` starts one for a
 deployment whose engines are not remote; it is seldom run by hand.
 
+`--listen HOST:PORT --link-token-file FILE` serves the link on TCP instead, to the front-ends
+of every host: one engine host per node, running the replicas whose placement entries name it
+(`engine_host: NAME:PORT`, `--as` where that is not the listening address). Every front-end
+connected hears each replica's load, so each sees what all of them put there.
+
 Each request runs as a task that reads its engine's deltas; every delta of one pass of the event
 loop (an engine step's worth) leaves in one frame per worker. The replicas are supervised here
 as in a single server (`ReplicaSet`): an engine that dies is restarted, and its requests end in
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import hmac
 import logging
 import os
 import signal
@@ -29,10 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from config import ConfigError, load_deployment
 from config.deployment import DEFAULT_PATH
 from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling
-from serving.engines.engine_link import LOAD_REPORT_S, FrameReader, delta_row, frame
+from serving.engines.engine_link import (
+    CONNECT_TIMEOUT_S,
+    LOAD_REPORT_S,
+    MAX_HELLO_BYTES,
+    MIN_TOKEN_CHARS,
+    FrameReader,
+    delta_row,
+    frame,
+    link_address,
+    read_link_token,
+)
 from serving.replicas import Replica, ReplicaSet
 from transport.workers import die_with_parent
 from workloads.request import request_from_row
@@ -64,12 +82,42 @@ class _Worker(asyncio.Protocol):
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.out = _Batch([])
         self.others: list[list[Any]] = []
+        self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "the Unix socket"
+        if self.host.token is None:
+            self._welcome()
+        else:
+            asyncio.get_running_loop().call_later(
+                CONNECT_TIMEOUT_S, self._refuse_unwelcome, "no hello in time"
+            )
+
+    def _welcome(self) -> None:
+        assert self.transport is not None
         self.host.workers.add(self)
-        transport.write(frame(["load", self.host.loads()]))
+        self.transport.write(frame(["load", self.host.loads()]))
+
+    def _hello(self, message: list[Any]) -> None:
+        """A front-end's first frame, where the host has a token: its own, or it is refused."""
+        assert self.transport is not None and self.host.token is not None
+        hello = isinstance(message, list) and len(message) == 2 and message[0] == "hello"
+        given = message[1] if hello else None
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self.host.token.encode()):
+            self._welcome()
+            return
+        self._refuse_unwelcome("wrong link token" if isinstance(given, str) else "no link token")
+
+    def _refuse_unwelcome(self, why: str) -> None:
+        """Turn away a connection not yet welcomed (and nothing once it is)."""
+        if self in self.host.workers or self.transport is None or self.transport.is_closing():
+            return
+        log.warning("refused a front-end at %s: %s", self.peer, why)
+        self.transport.write(frame(["refused", why]))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         # The worker is gone: what it asked for is nobody's any more.
@@ -78,9 +126,25 @@ class _Worker(asyncio.Protocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
-        self.reader.feed(data)
+        welcomed = self in self.host.workers
+        if not welcomed and (self.reader.next_size(data) or 0) > MAX_HELLO_BYTES:
+            self._refuse_unwelcome("not the engine link")
+            return
+        try:
+            self.reader.feed(data)
+        except (msgspec.DecodeError, ValueError, IndexError, TypeError):
+            if not welcomed:
+                self._refuse_unwelcome("not the engine link")
+                return
+            raise  # a front-end's own bytes that do not parse: a fault to see
 
     def _on_frame(self, message: list[Any]) -> None:
+        if self not in self.host.workers:  # nothing before a welcome
+            if self.transport is not None and not self.transport.is_closing():
+                self._hello(message)
+            return
+        if message[0] == "hello":
+            return  # a token the host does not ask for
         if message[0] == "add":
             _, request, replica, sampling = message
             try:
@@ -140,8 +204,9 @@ class _Worker(asyncio.Protocol):
 
 
 class EngineHost:
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, replicas: ReplicaSet, token: str | None = None) -> None:
         self.replicas = replicas
+        self.token = token
         self._by_name = {r.name: r for r in replicas}
         self.workers: set[_Worker] = set()
 
@@ -171,12 +236,20 @@ class EngineHost:
 
 
 @contextlib.asynccontextmanager
-async def link_server(replicas: ReplicaSet, path: str) -> AsyncIterator[EngineHost]:
-    """Serve the engine link for `replicas` (started) at the Unix socket `path` in the block."""
-    host = EngineHost(replicas)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    server = await asyncio.get_running_loop().create_unix_server(lambda: _Worker(host), path)
+async def link_server(
+    replicas: ReplicaSet, path: str, token: str | None = None
+) -> AsyncIterator[EngineHost]:
+    """Serve the engine link for `replicas` (started) at `path`, a Unix socket's or HOST:PORT,
+    in the block; with `token`, only to front-ends that give it."""
+    host = EngineHost(replicas, token)
+    where = link_address(path)
+    loop = asyncio.get_running_loop()
+    if isinstance(where, str):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        server = await loop.create_unix_server(lambda: _Worker(host), path)
+    else:
+        server = await loop.create_server(lambda: _Worker(host), *where)
     reports = asyncio.create_task(host.report_loads())
     try:
         yield host
@@ -186,11 +259,12 @@ async def link_server(replicas: ReplicaSet, path: str) -> AsyncIterator[EngineHo
         for worker in list(host.workers):
             if worker.transport is not None:
                 worker.transport.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if isinstance(where, str):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
-async def serve(replicas: ReplicaSet, path: str) -> None:
+async def serve(replicas: ReplicaSet, path: str, token: str | None = None) -> None:
     """Start the engines, then serve the link at `path` until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -201,7 +275,7 @@ async def serve(replicas: ReplicaSet, path: str) -> None:
         gc.collect()
         gc.freeze()  # as the server does after its engines start (serving.app says why)
         # Bound only once every engine runs: a worker that can connect finds them ready.
-        async with link_server(replicas, path):
+        async with link_server(replicas, path, token):
             log.info("engines of %d replicas served on %s", len(replicas.replicas), path)
             await stop.wait()
     finally:
@@ -271,7 +345,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m serving.engine_host", description=__doc__)
     parser.add_argument("--config", default=str(DEFAULT_PATH))
     parser.add_argument("--deployment")
-    parser.add_argument("--socket", required=True, help="the Unix socket to serve the link on")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="the Unix socket to serve the link on")
+    where.add_argument(
+        "--listen", metavar="HOST:PORT",
+        help="serve the link on TCP, to front-ends on other hosts (needs --link-token-file)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--as", dest="name", metavar="HOST:PORT",
+        help="with --listen: the engine_host its placement entries name (default: --listen's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--link-token-file",
+        help="the shared secret a front-end must give (a mounted Kubernetes Secret; at least "
+        f"{MIN_TOKEN_CHARS} characters)",
+    )
     parser.add_argument("--time-scale", type=float, help="as python -m serving's")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
@@ -279,14 +367,31 @@ def main() -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [engine host] %(name)s: %(message)s",
     )
+    if args.listen is not None and args.link_token_file is None:
+        parser.error("--listen needs --link-token-file: the engines take requests from the network")
+    if args.listen is not None and isinstance(link_address(args.listen), str):
+        parser.error(f"--listen: {args.listen!r} is not HOST:PORT")
+    try:
+        token = read_link_token(args.link_token_file) if args.link_token_file else None
+    except (OSError, ValueError) as exc:
+        parser.error(f"--link-token-file: {exc}")
     try:
         deployment = load_deployment(args.config, args.deployment)
         if args.time_scale is not None:
             deployment = deployment.with_time_scale(args.time_scale)
     except ConfigError as exc:
         parser.exit(2, f"error: {exc}\n")
-    die_with_parent()  # started by `python -m serving --workers N`, it goes with it
-    asyncio.run(serve(ReplicaSet.from_deployment(deployment), args.socket))
+    # On TCP it runs the replicas its placement names it for; on a Unix socket, those of the
+    # server that started it.
+    name = (args.name or args.listen) if args.listen is not None else None
+    mine = deployment.run_by(name)
+    if not mine.replicas:
+        named = ", ".join(deployment.engine_hosts) or "none"
+        parser.exit(2, f"error: no replica of deployment {deployment.name} is placed on engine "
+                       f"host {name or 'this server'} (engine hosts named: {named})\n")  # fmt: skip
+    if args.socket is not None:
+        die_with_parent()  # started by `python -m serving --workers N`, it goes with it
+    asyncio.run(serve(ReplicaSet.from_deployment(mine), args.socket or args.listen, token))
     return 0
 
 

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ from config import Deployment, ReplicaConfig
 from router.admission import OUTPUT_TOKENS_WITHOUT_MAX
 from router.view import ClusterView, ReplicaState
 from serving.engines.base import Engine
+from serving.engines.engine_link import EngineLink, LinkedEngine
 
 if TYPE_CHECKING:
     from serving.shared_view import WorkerRows
@@ -175,23 +176,34 @@ class ReplicaSet:
         return replica.running + running, replica.waiting + waiting
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment, engine_host: str | None = None) -> ReplicaSet:
-        """The deployment's replicas, with engines of their kind; or, with `engine_host`, each
-        engine reached over the engine link at that path (`serving.engine_host` runs them)."""
-        if engine_host is not None:
-            from serving.engines.engine_link import EngineLink, LinkedEngine
+    def from_deployment(
+        cls, deployment: Deployment, engine_host: str | None = None, link_token: str | None = None
+    ) -> ReplicaSet:
+        """The deployment's replicas, with engines of their kind. Those its placement puts on
+        an engine host (`engine_host: HOST:PORT`) are reached over the engine link there, with
+        `link_token`; with `engine_host`, so are this server's own, at that Unix socket (the
+        engine host `python -m serving --workers N` starts)."""
+        links: dict[str, EngineLink] = {}
 
-            link = EngineLink(engine_host)
-            # Brought back as a remote server is: reconnecting is cheap, the engines' own
-            # restarts are the host's.
-            return cls([Replica(c, LinkedEngine(c, link)) for c in deployment.replicas],
-                       backoff=PROBE_BACKOFF)  # fmt: skip
-        if deployment.simulation is not None:
+        def linked(config: ReplicaConfig, address: str, token: str | None) -> Engine:
+            if address not in links:
+                links[address] = EngineLink(address, token)
+            return LinkedEngine(config, links[address])
+
+        engines = {c.name: linked(c, c.engine_host, link_token)
+                   for c in deployment.replicas if c.engine_host is not None}  # fmt: skip
+        own = deployment.run_by(None).replicas
+        if engine_host is not None:
+            engines |= {c.name: linked(c, engine_host, None) for c in own}
+        elif deployment.simulation is not None and own:
             from serving.engines.simulated import SimulatedCluster
 
-            make = SimulatedCluster(deployment).engine
-            return cls([Replica(c, make(c)) for c in deployment.replicas])
-        return cls([Replica(c, make_engine(c)) for c in deployment.replicas])
+            make = SimulatedCluster(replace(deployment, replicas=own)).engine
+            engines |= {c.name: make(c) for c in own}
+        else:
+            engines |= {c.name: make_engine(c) for c in own}
+        return cls([Replica(c, engines[c.name] if c.name in engines else make_engine(c))
+                    for c in deployment.replicas])  # fmt: skip
 
     async def start(self) -> None:
         """Start every engine at once, then supervise each; any engine that fails to start
@@ -208,9 +220,12 @@ class ReplicaSet:
         ]
 
     def _backoff(self, replica: Replica) -> Backoff:
-        # Bringing a remote server back is one HTTP request, not an engine start: try it often,
-        # so that one that answers again rejoins within seconds.
-        return PROBE_BACKOFF if replica.config.url is not None else self.backoff
+        # Bringing a remote server or an engine host back is one connection, not an engine
+        # start (the host restarts its own engines): try it often, so that one that answers
+        # again rejoins within seconds.
+        if replica.config.url is not None or isinstance(replica.engine, LinkedEngine):
+            return PROBE_BACKOFF
+        return self.backoff
 
     async def close(self) -> None:
         # Supervisors first, so that none brings back an engine being closed. One cancelled in

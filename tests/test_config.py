@@ -142,6 +142,14 @@ BROKEN = {
         lambda s: s["placements"]["embedded-cpu"][0].update(device="tpu"),
         "placements.embedded-cpu.0",
     ),
+    "engine host not HOST:PORT": (
+        lambda s: s["placements"]["embedded-cpu"][0].update(engine_host="node-2"),
+        "placements.embedded-cpu.0.engine_host",
+    ),
+    "engine host for a url": (
+        lambda s: s["placements"]["remote"][0].update(engine_host="node-2:7000"),
+        "placements.remote.0",
+    ),
     "cpu_cores not a core list": (
         lambda s: s["placements"]["embedded-cpu"][1].update(cpu_cores="the first two"),
         "placements.embedded-cpu.1.cpu_cores",
@@ -296,3 +304,22 @@ def test_the_deployment_a_server_serves_is_found_by_its_models(tmp_path: Path) -
     config = write_test_config(tmp_path, **{"embedded-seed": (placement, seeded)})
     with pytest.raises(ConfigError, match="embedded-seed of .* different quality tables"):
         deployment_serving(config, ["tiny-s", "tiny-m", "tiny-l"])
+
+
+def test_an_engine_host_runs_the_replicas_its_placement_entries_name(tmp_path: Path) -> None:
+    entries = [
+        {"model": "tiny-s", "devices": ["cpu"], "engine_host": "node-1:7000"},
+        {"model": "tiny-m", "device": "cpu", "engine_host": "node-2:7000"},
+        {"model": "tiny-l", "device": "cpu"},
+    ]
+    twin = {"placement": "split", "profile": "embedded-measured", "engine": "simulated",
+            "simulation": {"tokenizer": "tiny-s"}}  # fmt: skip
+    deployment = load_deployment(write_test_config(tmp_path, split=(entries, twin)), "split")
+    assert [r.name for r in deployment.replicas] == [
+        "node-1:7000/cpu/tiny-s", "node-2:7000/cpu/tiny-m", "cpu/tiny-l"
+    ]  # fmt: skip
+    assert deployment.engine_hosts == ["node-1:7000", "node-2:7000"]
+    # Each host runs its own as its own (no engine host of their own), under the same names.
+    (mine,) = deployment.run_by("node-2:7000").replicas
+    assert mine.name == "node-2:7000/cpu/tiny-m" and mine.engine_host is None
+    assert [r.name for r in deployment.run_by(None).replicas] == ["cpu/tiny-l"]

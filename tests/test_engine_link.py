@@ -15,9 +15,15 @@ import pytest
 
 from config import load_deployment
 from serving.engine_host import EngineHost, link_server
-from serving.engines.base import EngineError, InvalidRequest, Sampling, TokenDelta
-from serving.engines.engine_link import EngineLink, LinkedEngine
-from serving.launch import ROOT
+from serving.engines.base import (
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Sampling,
+    TokenDelta,
+)
+from serving.engines.engine_link import EngineLink, LinkedEngine, link_address, read_link_token
+from serving.launch import ROOT, free_port
 from serving.replicas import ReplicaSet
 from workloads import Message, Request
 
@@ -146,3 +152,81 @@ async def test_a_lost_host_ends_open_streams_in_engine_errors(tmp_path: Path) ->
             async for _ in stream:
                 pass
         assert not linked.healthy()
+
+
+TOKEN = "a-link-token-of-some-length"
+
+
+async def test_over_tcp_a_front_end_with_the_token_is_served(tmp_path: Path) -> None:
+    """The link of another host: TCP, and the shared token first."""
+    address = f"127.0.0.1:{free_port()}"
+    async with engines(tmp_path) as replicas, link_server(replicas, address, TOKEN) as host:
+        linked = LinkedEngine(replicas[0].config, EngineLink(address, TOKEN))
+        await linked.start()
+        assert linked.healthy() and len(host.workers) == 1
+        out = await collect(linked, request("tcp", 12), EXACT)
+        assert sum(d.tokens for d in out) == 12 and out[-1].finish_reason == "length"
+        await linked.close()
+
+
+@pytest.mark.parametrize("token", ["not-the-link-token-at-all", None])
+async def test_a_wrong_or_missing_token_is_refused_with_a_line_that_says_so(
+    tmp_path: Path, token: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    async with engines(tmp_path) as replicas, link_server(replicas, address, TOKEN) as host:
+        linked = LinkedEngine(replicas[0].config, EngineLink(address, token))
+        with pytest.raises(EngineUnavailable, match="refused this front-end") as refused:
+            await linked.start()
+        why = "wrong link token" if token else "no link token"
+        assert why in str(refused.value) and not linked.healthy()
+        # Nothing it sends is served: it is not among the host's workers, and the engine idle.
+        assert not host.workers and replicas[0].engine.unfinished() == 0
+        with pytest.raises(EngineUnavailable):
+            await collect(linked, request("refused"), EXACT)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(line.startswith("refused a front-end at 127.0.0.1:") and why in line
+               for line in lines), lines  # fmt: skip
+
+
+def test_the_link_is_at_a_path_or_a_host_and_port() -> None:
+    assert link_address("/tmp/x/link.sock") == "/tmp/x/link.sock"
+    assert link_address("10.0.0.5:7000") == ("10.0.0.5", 7000)
+    assert link_address("engines-0.engines.default.svc:7000") == (
+        "engines-0.engines.default.svc", 7000
+    )  # fmt: skip
+    assert link_address("[fd00::5]:7000") == ("fd00::5", 7000)
+
+
+def test_a_short_link_token_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "short").write_text("secret\n")
+    (tmp_path / "long").write_text(TOKEN + "\n")
+    with pytest.raises(ValueError, match="16 characters"):
+        read_link_token(str(tmp_path / "short"))
+    assert read_link_token(str(tmp_path / "long")) == TOKEN
+
+
+async def test_a_strangers_bytes_are_refused_and_the_host_serves_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A port scanner, an HTTP client, a flood: none is read past its first bytes."""
+    address = f"127.0.0.1:{free_port()}"
+    host_name, port = address.split(":")
+    async with engines(tmp_path) as replicas, link_server(replicas, address, TOKEN) as host:
+        for junk in (
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"\xff" * 10_000,
+            b"\x00\x00\x00\x02\xc1\xc1",
+        ):
+            reader, writer = await asyncio.open_connection(host_name, int(port))
+            writer.write(junk)
+            async with asyncio.timeout(5):
+                await reader.read()  # until the host closes it
+            writer.close()
+        assert not host.workers
+        linked = LinkedEngine(replicas[0].config, EngineLink(address, TOKEN))
+        await linked.start()
+        assert sum(d.tokens for d in await collect(linked, request("after", 5), EXACT)) == 5
+        await linked.close()
+    refused = [r.getMessage() for r in caplog.records if "refused a front-end" in r.getMessage()]
+    assert len(refused) == 3 and all("not the engine link" in line for line in refused), refused

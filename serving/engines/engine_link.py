@@ -1,5 +1,6 @@
 """The engine link: a deployment's engines in a process of their own (`serving.engine_host`),
-shared by every front-end worker (`--workers N`), each reaching them over one Unix socket.
+shared by every front-end worker (`--workers N`), each reaching them over one Unix socket; or
+on another host, over TCP (`--listen HOST:PORT`), where every front-end host's workers connect.
 
 Why not each engine behind a `vllm serve`-shaped HTTP server, as remote replicas are reached:
 there every token is an SSE event of its own, one read and one parse per token per worker
@@ -11,13 +12,23 @@ that a worker's router sees what the other workers put there.
 
 Frames are msgpack arrays, each after its length (4 bytes, big-endian):
 
-- worker to host: `["add", request, replica, sampling]` (the `asdict` forms) and
+- worker to host: first `["hello", token]` (its link token, or None), which a host with a
+  token checks; then `["add", request, replica, sampling]` (the `asdict` forms) and
   `["abort", request_id]`;
 - host to worker: `["out", [[request_id, text, tokens, prompt_tokens, finish_reason, extra],
   ...]]` (`extra`: None, or a delta's logprobs, echo and cached tokens as a map),
   `["end", request_id]` once the engine is done with a request, `["error", request_id, kind,
   message, param, code]` (`kind`: unavailable, invalid or engine), and `["load", {replica:
-  [running, waiting, batch_cap, healthy]}]` every LOAD_REPORT_S while it changes.
+  [running, waiting, batch_cap, healthy]}]` first and then every LOAD_REPORT_S while it
+  changes; or, to a worker whose hello it refuses, `["refused", why]`, and the connection
+  closes.
+
+The token is a shared secret (`--link-token-file`: a Kubernetes Secret mounted on every host),
+compared in constant time. It keeps whatever else runs on the cluster's network from using or
+disturbing the engines. That is enough where the network between the hosts is the cluster's
+own, as it is for vLLM's and sglang's workers, whose ports take no credential at all: the link
+carries prompts in the clear, so a network others can read needs encryption under it (a
+service mesh's mTLS, or a CNI that encrypts, such as WireGuard in Cilium or Calico).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -52,6 +64,30 @@ LOAD_REPORT_S = 0.01
 the other workers' share in a worker's view."""
 
 CONNECT_TIMEOUT_S = 5.0
+"""How long a front-end waits for an engine host's first report, and a host with a token for a
+front-end's hello."""
+MIN_TOKEN_CHARS = 16
+MAX_HELLO_BYTES = 4096
+"""The largest first frame a host with a token takes for a hello: a stranger's bytes (a port
+scanner's, an HTTP request's) claim more, and are refused rather than buffered."""
+
+
+def read_link_token(path: str) -> str:
+    """The link token in file `path` (a mounted Secret), surrounding whitespace dropped;
+    ValueError where it is too short to guess at no cost."""
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{path}: a link token needs {MIN_TOKEN_CHARS} characters or more")
+    return token
+
+
+def link_address(address: str) -> tuple[str, int] | str:
+    """Where a link is: (host, port) for HOST:PORT ([v6]:PORT), else a Unix socket's path."""
+    host, colon, port = address.rpartition(":")
+    if "/" in address or not colon or not port.isdigit():
+        return address
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
 
 _LENGTH = struct.Struct(">I")
 _encode = msgspec.msgpack.Encoder().encode
@@ -98,6 +134,11 @@ class FrameReader:
         self._buffer = bytearray()
         self._on_frame = on_frame
 
+    def next_size(self, data: bytes) -> int | None:
+        """The size the next frame claims, with `data` added; None until 4 bytes are in."""
+        head = bytes(self._buffer[:4]) + data[: max(0, 4 - len(self._buffer))]
+        return _LENGTH.unpack(head)[0] if len(head) == 4 else None
+
     def feed(self, data: bytes) -> None:
         buffer = self._buffer
         buffer += data
@@ -127,10 +168,13 @@ class _Open:
 
 
 class EngineLink(asyncio.Protocol):
-    """A worker's one connection to the engine host, shared by its `LinkedEngine`s."""
+    """A worker's one connection to an engine host, shared by its `LinkedEngine`s there.
+    `address`: a Unix socket's path, or HOST:PORT; `token`: the host's link token."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.path = address
+        self._token = token
+        self._refused: str | None = None
         self._transport: asyncio.Transport | None = None
         self._reader = FrameReader(self._on_frame)
         self._open: dict[str, _Open] = {}
@@ -138,6 +182,16 @@ class EngineLink(asyncio.Protocol):
         self._load_at = 0.0
         self._connecting: asyncio.Lock | None = None
         self._reported: asyncio.Event | None = None
+
+    @property
+    def refused(self) -> str | None:
+        """Why the host last refused this front-end (its token); None if it did not."""
+        return self._refused
+
+    @property
+    def remote(self) -> bool:
+        """On another host (TCP), not this server's own engine host."""
+        return not isinstance(link_address(self.path), str)
 
     @property
     def connected(self) -> bool:
@@ -152,14 +206,26 @@ class EngineLink(asyncio.Protocol):
                 return
             loop = asyncio.get_running_loop()
             self._reported = asyncio.Event()
+            self._refused = None
+            where = link_address(self.path)
             try:
-                await loop.create_unix_connection(lambda: self, self.path)
+                if isinstance(where, str):
+                    await loop.create_unix_connection(lambda: self, where)
+                else:
+                    await loop.create_connection(lambda: self, *where)
                 # The host reports its replicas at once: until then none looks healthy.
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
                     await self._reported.wait()
             except (OSError, TimeoutError) as exc:
                 self.close()
                 raise EngineUnavailable(f"no engine host at {self.path}: {exc!r}") from exc
+            if self._refused is not None:
+                self.close()
+                log.error("the engine host at %s refused this front-end: %s", self.path,
+                          self._refused)  # fmt: skip
+                raise EngineUnavailable(
+                    f"the engine host at {self.path} refused this front-end: {self._refused}"
+                )
             log.info("engine link to %s open", self.path)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -167,6 +233,7 @@ class EngineLink(asyncio.Protocol):
         # its class (`--loop uvloop`).
         self._transport = cast(asyncio.Transport, transport)
         self._reader = FrameReader(self._on_frame)
+        self._transport.write(frame(["hello", self._token]))  # None where it has none
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -200,6 +267,10 @@ class EngineLink(asyncio.Protocol):
         elif kind == "load":
             self._loads.update(message[1])
             self._load_at = time.monotonic()
+            if self._reported is not None:
+                self._reported.set()
+        elif kind == "refused":
+            self._refused = str(message[1])
             if self._reported is not None:
                 self._reported.set()
 
@@ -258,7 +329,14 @@ class LinkedEngine:
         self._mine: set[str] = set()
 
     async def start(self) -> None:
-        await self._link.connect()
+        try:
+            await self._link.connect()
+        except EngineUnavailable:
+            # An engine host on another host that is not up yet is an outage for the supervisor
+            # to ride out, as a remote server's is; a refusal is a configuration error.
+            if not self._link.remote or self._link.refused is not None:
+                raise
+            log.warning("%s: no engine host at %s yet", self.config.name, self._link.path)
 
     def healthy(self) -> bool:
         report = self._link.report(self.config.name)

@@ -1,0 +1,125 @@
+"""Past one host: engine hosts on TCP, each on a loopback address of its own (127.0.0.2,
+127.0.0.3) as a node of its own, with the twin's simulated engines; a front-end on 127.0.0.1
+whose placement names them, and the shared link token they ask for. Real processes, real
+sockets: only the addresses stand in for hosts."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.launch import Launched, free_port, launch
+from tests.support.servers import serving_command, write_test_config
+
+pytestmark = pytest.mark.multihost
+
+TOKEN = "the-fleets-link-token-0123456789"
+HOSTS = ("127.0.0.2", "127.0.0.3")
+
+
+def placement(ports: list[int]) -> tuple[list[dict], dict]:
+    """tiny-s on the first engine host, tiny-m on the second."""
+    models = ("tiny-s", "tiny-m")
+    entries = [{"model": model, "device": "cpu", "engine_host": f"{host}:{port}"}
+               for model, host, port in zip(models, HOSTS, ports, strict=True)]  # fmt: skip
+    deployment = {"placement": "two-hosts", "profile": "embedded-measured", "engine": "simulated",
+                  "simulation": {"tokenizer": "tiny-s"}, "policy": {"name": "round-robin"},
+                  "admission": {"rule": "none"},
+                  "engine_args": {"max_model_len": 2048, "max_num_seqs": 64}}  # fmt: skip
+    return entries, deployment
+
+
+def answers(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex((host, port)) == 0
+
+
+def engine_host(config: Path, address: str, token_file: Path, log: Path) -> Launched:
+    host, port = address.split(":")
+    command = [sys.executable, "-m", "serving.engine_host", "--config", str(config),
+               "--deployment", "two-hosts", "--listen", address, "--link-token-file",
+               str(token_file), "--time-scale", "0.1"]  # fmt: skip
+    launched = launch(f"engine host {address}", command, int(port), "", log)
+    deadline = time.monotonic() + 60
+    while not answers(host, int(port)):
+        if launched.process.poll() is not None or time.monotonic() > deadline:
+            launched.stop()
+            pytest.fail(f"engine host {address} did not start:\n{launched.tail()}")
+        time.sleep(0.1)
+    return launched
+
+
+@dataclass
+class Fleet:
+    config: Path
+    addresses: list[str]
+    hosts: list[Launched]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two engine hosts, up; the test config whose placement `two-hosts` names them."""
+    folder = tmp_path_factory.mktemp("fleet")
+    ports = [free_port() for _ in HOSTS]
+    config = write_test_config(folder, **{"two-hosts": placement(ports)})
+    token = folder / "link-token"
+    token.write_text(TOKEN + "\n")
+    addresses = [f"{h}:{p}" for h, p in zip(HOSTS, ports, strict=True)]
+    hosts = [engine_host(config, a, token, folder / f"engines-{a}.log") for a in addresses]
+    try:
+        yield Fleet(config, addresses, hosts)
+    finally:
+        for launched in hosts:
+            launched.stop()
+
+
+def front_end(config: Path, token_file: Path, log: Path) -> Launched:
+    port = free_port()
+    command = serving_command(config, "two-hosts", port, "--h3-port", "0", "--time-scale", "0.1",
+                              "--link-token-file", str(token_file))  # fmt: skip
+    return launch("front-end", command, port, "/readyz", log)
+
+
+def test_a_front_end_routes_to_the_engine_hosts_its_placement_names(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    with front_end(fleet.config, token, tmp_path / "front-end.log") as server:
+        server.ready(60)
+        served = set()
+        for i in range(4):
+            body = {"model": "auto", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"Hello {i}"}]}  # fmt: skip
+            answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] == 4
+            served.add(answer.headers["x-replica"])
+    # Round-robin over one replica on each host; a replica's name says its host.
+    assert served == {f"{fleet.addresses[0]}/cpu/tiny-s", f"{fleet.addresses[1]}/cpu/tiny-m"}
+
+
+def test_a_front_end_with_a_wrong_token_is_refused_and_serves_nothing(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    wrong = tmp_path / "token"
+    wrong.write_text("somebody-elses-link-token-000000")
+    server = front_end(fleet.config, wrong, tmp_path / "front-end.log")
+    try:
+        with pytest.raises(Exception, match="exited"):
+            server.ready(60)  # a refusal is a configuration error: it does not start
+        said = server.tail(200)
+    finally:
+        server.stop()
+    assert "refused this front-end: wrong link token" in said, said
+    for launched in fleet.hosts:
+        heard = launched.tail(200)
+        assert "refused a front-end at 127.0.0.1:" in heard and "wrong link token" in heard
