@@ -367,6 +367,8 @@ def main() -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [engine host] %(name)s: %(message)s",
     )
+    if args.name is not None and args.listen is None:
+        parser.error("--as names an engine host on TCP: give --listen too")
     if args.listen is not None and args.link_token_file is None:
         parser.error("--listen needs --link-token-file: the engines take requests from the network")
     if args.listen is not None and isinstance(link_address(args.listen), str):

@@ -23,7 +23,8 @@ from workloads.chat import chat_body, chat_h3
 
 LOG_FIELDS = {
     "request_id", "qos_class", "tier", "via_edge", "protocol", "model", "replica", "arrival",
-    "queue_s", "route_s", "engine_ttft_s", "ttft_s", "e2e_s", "prompt_tokens", "tokens",
+    "queue_s", "route_s", "engine_ttft_s", "ttft_s", "e2e_s", "prompt_tokens", "cached_tokens",
+    "tokens",
     "outcome", "slo_met", "client_rtt_s", "client_loss", "retries", "worker",
 }  # fmt: skip
 
