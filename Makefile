@@ -7,7 +7,7 @@ DEPLOYMENT ?= embedded
 PORT ?= 8000
 WORKERS ?= 1
 
-.PHONY: setup serve test test-fast browser lint bench clean
+.PHONY: setup serve test test-fast test-multihost browser lint bench clean
 
 # The stamp lives in the venv, so removing the venv also forgets that setup ran.
 STAMP := $(VENV)/.setup-stamp
@@ -41,6 +41,10 @@ test: setup browser lint
 
 test-fast: setup
 	$(PYTEST_FAST)
+
+# Engine hosts and front-ends on loopback addresses of their own, as hosts (part of test-fast).
+test-multihost: setup
+	$(PY) -m pytest -q -m multihost
 
 # Debian's chromium, for tests/test_pages.py; installed with apt where it is missing.
 browser:

@@ -17,8 +17,7 @@ import pytest
 
 from serving.launch import Launched, free_port, launch
 from tests.support.servers import serving_command, write_test_config
-
-pytestmark = pytest.mark.multihost
+from tests.support.tiers import starts
 
 TOKEN = "the-fleets-link-token-0123456789"
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -65,6 +64,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
+@starts("multihost")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two engine hosts, up; the test config whose placement `two-hosts` names them."""
     folder = tmp_path_factory.mktemp("fleet")
