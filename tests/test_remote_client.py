@@ -286,3 +286,37 @@ async def test_an_upstream_serving_another_model_is_a_configuration_error() -> N
     with pytest.raises(WrongModel, match="set served_name"):
         async with Upstream(sends(answer([" a"])), models=("other",)):
             pass
+
+
+def usage_chunk(cached: int) -> bytes:
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    payload = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "up",
+               "choices": [], "usage": usage}  # fmt: skip
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def test_the_last_delta_carries_the_cached_tokens_of_the_usage_chunk_after_it() -> None:
+    body = chunk(" a", 1) + chunk(" b", 2, "length") + usage_chunk(2) + b"data: [DONE]\n\n"
+    async with Upstream(sends(body)) as engine:
+        deltas = await collect(engine, chat())
+    assert [(d.text, d.finish_reason, d.cached_tokens) for d in deltas] == [
+        (" a", None, None), (" b", "length", 2)
+    ]  # fmt: skip
+
+
+async def test_an_answer_whose_connection_breaks_after_its_end_is_whole() -> None:
+    """Cut after the finish chunk, before the usage chunk and [DONE]: the answer was complete."""
+
+    async def finish_then_cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk(" a", 1) + chunk(" b", 2, "length"))
+        await cut(request)
+        return response
+
+    async with Upstream(finish_then_cut) as engine:
+        deltas = await collect(engine, chat())
+    assert [(d.text, d.finish_reason, d.cached_tokens) for d in deltas] == [
+        (" a", None, None), (" b", "length", None)
+    ]  # fmt: skip

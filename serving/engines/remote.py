@@ -328,33 +328,39 @@ class RemoteEngine:
             # much of the prompt was cached.
             last: TokenDelta | None = None
             cached: int | None = None
-            async for data in held.response.events():
-                held.reads += 1
-                chunk = decode_chunk(data)
-                if chunk.error is not None:
-                    raise EngineError(f"{self.config.name}: {_text(chunk.error)}")
-                usage = chunk.usage
-                if not chunk.choices:
-                    details = usage.prompt_tokens_details if usage else None
-                    if details is not None:
-                        cached = details.cached_tokens
-                    continue
-                choice = chunk.choices[0]
-                delta = choice.delta
-                text = (delta.content if delta is not None else choice.text) or ""
-                # vLLM's continuous usage gives exact counts; other servers send one token a chunk.
-                total = usage.completion_tokens if usage else generated + (1 if text else 0)
-                out = TokenDelta(
-                    text=text,
-                    tokens=total - generated,
-                    prompt_tokens=usage.prompt_tokens if usage else 0,
-                    finish_reason=choice.finish_reason,
-                )
-                generated = total
-                if choice.finish_reason is None:
-                    yield out
-                else:
-                    last = out
+            try:
+                async for data in held.response.events():
+                    held.reads += 1
+                    chunk = decode_chunk(data)
+                    if chunk.error is not None:
+                        raise EngineError(f"{self.config.name}: {_text(chunk.error)}")
+                    usage = chunk.usage
+                    if not chunk.choices:
+                        details = usage.prompt_tokens_details if usage else None
+                        if details is not None:
+                            cached = details.cached_tokens
+                        continue
+                    choice = chunk.choices[0]
+                    delta = choice.delta
+                    text = (delta.content if delta is not None else choice.text) or ""
+                    # vLLM's continuous usage gives exact counts; other servers send one a chunk.
+                    total = usage.completion_tokens if usage else generated + (1 if text else 0)
+                    out = TokenDelta(
+                        text=text,
+                        tokens=total - generated,
+                        prompt_tokens=usage.prompt_tokens if usage else 0,
+                        finish_reason=choice.finish_reason,
+                    )
+                    generated = total
+                    if choice.finish_reason is None:
+                        yield out
+                    else:
+                        last = out
+            except OSError:  # TimeoutError included
+                if last is None:
+                    raise
+                # The answer was whole: only what follows its end (the usage chunk, [DONE]) is
+                # lost, as it was before the last delta waited for them.
             if last is None:
                 raise EngineError(f"{self.config.name}: the stream ended before the answer did")
             yield last if cached is None else replace(last, cached_tokens=cached)
