@@ -14,7 +14,7 @@ STAMP := $(VENV)/.setup-stamp
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/apt-install.sh
 	VENV=$(VENV) scripts/setup.sh
 	touch $@
 

@@ -104,6 +104,16 @@ class ReplicaConfig:
     engine_host: str | None = None
     """HOST:PORT of the engine host that runs it (`serving.engine_host --listen`); None: this
     server runs it."""
+    slot: int | None = None
+    """Where `engine_host` is a DNS name with several hosts behind it: which of them
+    (`serving.discovery`) this replica is on. None: engine_host is one host."""
+
+    @property
+    def host_name(self) -> str:
+        """The name its engine host knows it by: a slot's name without the slot."""
+        if self.engine_host is None:
+            return self.name
+        return f"{self.engine_host}/{self.device}/{self.model}"
 
     def engine_int(self, name: str, default: int) -> int:
         """An integer vLLM argument (max_model_len, max_num_seqs) of `engine_args`, else
@@ -207,10 +217,22 @@ class Deployment:
         """The engine hosts its placement names (HOST:PORT), in order."""
         return list(dict.fromkeys(r.engine_host for r in self.replicas if r.engine_host))
 
+    @property
+    def discovered(self) -> dict[str, int]:
+        """The engine hosts found through DNS: the NAME:PORT placement entries name, and how
+        many hosts behind it the front-ends use."""
+        slots: dict[str, int] = {}
+        for r in self.replicas:
+            if r.engine_host is not None and r.slot is not None:
+                slots[r.engine_host] = max(slots.get(r.engine_host, 0), r.slot + 1)
+        return slots
+
     def run_by(self, engine_host: str | None) -> Deployment:
-        """The replicas engine host `engine_host` runs, as its own (their names keep the host);
-        None: those a server runs itself, neither behind a URL nor on an engine host."""
-        mine = [replace(r, engine_host=None) for r in self.replicas if r.engine_host == engine_host]
+        """The replicas engine host `engine_host` runs, as its own (their names keep the host;
+        behind a DNS name, every host runs the same ones); None: those a server runs itself,
+        neither behind a URL nor on an engine host."""
+        mine = [replace(r, name=r.host_name, engine_host=None, slot=None)
+                for r in self.replicas if r.engine_host == engine_host and not r.slot]  # fmt: skip
         if engine_host is None:
             mine = [r for r in mine if r.url is None]
         return replace(self, replicas=mine)
@@ -432,12 +454,14 @@ def _replicas(
     for entry in spec.placements[placement]:
         model = spec.models[entry.model]
         source = _source(model.source, model.build, base_dir)
-        locations: list[tuple[str | None, str | None]]
-        locations = [(d, None) for d in entry.device_list()] or [(None, entry.url)]
-        for device, url in locations:
+        locations: list[tuple[str | None, str | None, int | None]]
+        slots: list[int | None] = list(range(entry.hosts)) if entry.hosts else [None]
+        locations = [(d, None, s) for s in slots for d in entry.device_list()]
+        for device, url, slot in locations or [(None, entry.url, None)]:
             where = device if url is None else url.split("//", 1)[-1].split("/", 1)[0]
             if entry.engine_host is not None:  # each host has its own cuda:0
-                where = f"{entry.engine_host}/{device}"
+                host = entry.engine_host if slot is None else f"{entry.engine_host}#{slot}"
+                where = f"{host}/{device}"
             args = {**engine_args, **entry.engine_args}
             block_size = _engine_int(
                 "block_size", args.get("block_size", CPU_BLOCK_SIZE if device == "cpu" else 16)
@@ -464,8 +488,13 @@ def _replicas(
                     ),
                     block_size=block_size,
                     engine_host=entry.engine_host,
+                    slot=slot,
                 )
             )
+    counts = {(e.engine_host, e.hosts) for e in spec.placements[placement] if e.engine_host}
+    if len(counts) > len({host for host, _ in counts}):
+        raise ConfigError(f"placements.{placement}: the entries on one engine_host must give "
+                          "the same hosts")  # fmt: skip
     names = [r.name for r in replicas]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise ConfigError(f"placements.{placement}: replicas repeat: {', '.join(dupes)}")

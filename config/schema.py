@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
 class Strict(BaseModel):
@@ -141,6 +141,10 @@ class ReplicaEntry(Strict):
     """With device or devices: the engine host (`python -m serving.engine_host --listen`, on
     the node with those devices) that runs these replicas, as HOST:PORT; the front-ends reach
     them over the engine link on TCP. None: this server's own engines."""
+    hosts: PositiveInt | None = None
+    """With engine_host: its HOST is a DNS name (a Kubernetes headless Service) whose every
+    address is an engine host running these replicas, and the front-ends route to up to `hosts`
+    of them, found again every few seconds (`serving.discovery`). None: HOST is one host."""
 
     @model_validator(mode="after")
     def _one_location(self) -> ReplicaEntry:
@@ -152,6 +156,8 @@ class ReplicaEntry(Strict):
                 raise ValueError(f"{name} is only for a replica behind a url")
         if self.engine_host is not None and self.url is not None:
             raise ValueError("engine_host is for replicas on devices, not behind a url")
+        if self.hosts is not None and self.engine_host is None:
+            raise ValueError("hosts counts the engine hosts behind an engine_host's DNS name")
         for device in self.device_list():
             if not (device == "cpu" or device.startswith("cuda:")):
                 raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")

@@ -49,4 +49,7 @@ if [ "$extra" = cpu ]; then
   pip uninstall -y -q triton 2>/dev/null || true
 fi
 
+# The multi-host tests ask a real DNS server (tests/support/dns.py): dnsmasq, without its service.
+scripts/apt-install.sh dnsmasq dnsmasq-base "the multi-host tests (make test-multihost) will fail"
+
 echo "setup: done ($extra)"

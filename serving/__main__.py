@@ -13,7 +13,7 @@ from pathlib import Path
 from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
-from serving.engines.engine_link import read_link_token
+from serving.engines.engine_link import link_address, read_link_token
 from serving.metrics import count_lost
 from serving.shared_view import SharedView
 from transport.cli import add_server_arguments, prepare
@@ -105,6 +105,12 @@ def main() -> int:
         help="the shared secret the engine hosts of other hosts ask for (placement entries with "
         "engine_host; a mounted Kubernetes Secret)",
     )
+    parser.add_argument(
+        "--dns-server",
+        metavar="HOST:PORT",
+        help="resolve the engine hosts behind DNS names (placement entries with hosts:) with "
+        "this server alone (default: the system's resolver, a pod's cluster DNS)",
+    )
     # What the supervisor tells a worker (not for people): where the engine host's link is, and
     # the folder of what the workers share (`serving.shared_view`).
     parser.add_argument("--engine-host", help=argparse.SUPPRESS)
@@ -132,6 +138,8 @@ def main() -> int:
             f"deployment {deployment.name} has replicas on engine hosts "
             f"({', '.join(deployment.engine_hosts)}): give their --link-token-file"
         )
+    if args.dns_server is not None and isinstance(link_address(args.dns_server), str):
+        parser.error(f"--dns-server: {args.dns_server!r} is not HOST:PORT")
     if args.worker_index is None and (args.workers > 1 or args.separate_engines):
         return _supervise(args, deployment, setup.listen, setup.reset_key)
     _route_request_log(args.request_log)
@@ -142,7 +150,7 @@ def main() -> int:
         app = build_app(
             deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host,
             SharedView.attach(args.shared_view, deployment) if args.shared_view else None,
-            link_token,
+            link_token, args.dns_server,
         )  # fmt: skip
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")

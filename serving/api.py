@@ -108,14 +108,19 @@ def create_app(
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         """Readiness: every replica the deployment names is up; else 503, naming those down.
-        While the server stops (draining) 503 too, so that a load balancer sends no more."""
+        Replicas on other hosts' engine hosts are the exception: they count only while none
+        is up, since one engine host lost must not take every front-end out of its load
+        balancer (the router routes around it). While the server stops (draining) 503 too,
+        so that a load balancer sends no more."""
         replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
         down = [name for name, up in replicas.items() if not up]
+        fleet = {r.name for r in gateway.replicas if r.config.engine_host is not None}
+        unready = any(name not in fleet for name in down) or (fleet and len(down) == len(replicas))
         draining = drain is not None and drain.draining
-        status = "draining" if draining else "unready" if down else "ready"
+        status = "draining" if draining else "unready" if unready else "ready"
         return JSONResponse(
             {"status": status, "down": down, "replicas": replicas},
-            status_code=503 if down or draining else 200,
+            status_code=503 if unready or draining else 200,
         )
 
     @app.get("/metrics")

@@ -37,6 +37,7 @@ def build_app(
     engine_host: str | None = None,
     shared_view: SharedView | None = None,
     link_token: str | None = None,
+    dns_server: str | None = None,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
@@ -44,8 +45,14 @@ def build_app(
     `engine_host`: where the engine link is, when the engines run in an engine host;
     `shared_view`: what the workers share (`serving.shared_view`), where this worker
     publishes its arrivals, its requests and its keys' counts, and reads the others';
-    `link_token`: what engine hosts on other hosts ask of a front-end (`--link-token-file`)."""
-    replicas = ReplicaSet.from_deployment(deployment, engine_host, link_token)
+    `link_token`: what engine hosts on other hosts ask of a front-end (`--link-token-file`);
+    `dns_server`: where the engine hosts behind DNS names are looked up (`--dns-server`)."""
+    resolve = None
+    if dns_server is not None:
+        from serving.discovery import dns_resolver
+
+        resolve = dns_resolver(dns_server)
+    replicas = ReplicaSet.from_deployment(deployment, engine_host, link_token, resolve)
     index = worker or 0
     rate = accounts = peers = None
     if shared_view is not None:

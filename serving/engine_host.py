@@ -42,6 +42,7 @@ from config.deployment import DEFAULT_PATH
 from serving.engines.base import EngineError, EngineUnavailable, InvalidRequest, Sampling
 from serving.engines.engine_link import (
     CONNECT_TIMEOUT_S,
+    HEARTBEAT_S,
     LOAD_REPORT_S,
     MAX_HELLO_BYTES,
     MIN_TOKEN_CHARS,
@@ -222,17 +223,20 @@ class EngineHost:
         return {r.name: [r.engine.unfinished(), 0, 0, r.engine.healthy()] for r in self.replicas}
 
     async def report_loads(self) -> None:
-        """Every LOAD_REPORT_S, each replica's load to every worker, when it changed."""
+        """Every LOAD_REPORT_S, each replica's load to every worker, when it changed; every
+        HEARTBEAT_S when it did not, so that a front-end on another host tells a host that is
+        idle from one that is gone."""
         last: dict[str, list[Any]] = {}
+        sent_at = 0.0
         while True:
             await asyncio.sleep(LOAD_REPORT_S)
             now = self.loads()
-            if now != last:
+            if now != last or time.monotonic() - sent_at >= HEARTBEAT_S:
                 data = frame(["load", now])
                 for worker in self.workers:
                     if worker.transport is not None and not worker.transport.is_closing():
                         worker.transport.write(data)
-                last = now
+                last, sent_at = now, time.monotonic()
 
 
 @contextlib.asynccontextmanager

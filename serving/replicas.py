@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -15,9 +15,10 @@ from config import Deployment, ReplicaConfig
 from router.admission import OUTPUT_TOKENS_WITHOUT_MAX
 from router.view import ClusterView, ReplicaState
 from serving.engines.base import Engine
-from serving.engines.engine_link import EngineLink, LinkedEngine
+from serving.engines.engine_link import EngineLink, HostSlot, LinkedEngine
 
 if TYPE_CHECKING:
+    from serving.discovery import Discovery, Resolve
     from serving.shared_view import WorkerRows
 
 log = logging.getLogger(__name__)
@@ -154,9 +155,16 @@ class Supervisor:
 
 
 class ReplicaSet:
-    def __init__(self, replicas: list[Replica], backoff: Backoff = Backoff()) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        backoff: Backoff = Backoff(),
+        discoveries: Sequence[Discovery] = (),
+    ) -> None:
         self.replicas = replicas
         self.backoff = backoff
+        self.discoveries = list(discoveries)
+        """What finds the engine hosts behind DNS names, where the placement names any."""
         self._supervisors: list[asyncio.Task[None]] = []
         self._others: Callable[[int], tuple[int, int, int]] | None = None
 
@@ -177,18 +185,26 @@ class ReplicaSet:
 
     @classmethod
     def from_deployment(
-        cls, deployment: Deployment, engine_host: str | None = None, link_token: str | None = None
+        cls,
+        deployment: Deployment,
+        engine_host: str | None = None,
+        link_token: str | None = None,
+        resolve: Resolve | None = None,
     ) -> ReplicaSet:
         """The deployment's replicas, with engines of their kind. Those its placement puts on
         an engine host (`engine_host: HOST:PORT`) are reached over the engine link there, with
-        `link_token`; with `engine_host`, so are this server's own, at that Unix socket (the
-        engine host `python -m serving --workers N` starts)."""
-        links: dict[str, EngineLink] = {}
+        `link_token`; those on the hosts behind a DNS name (`hosts: N`), on the links its
+        discovery keeps (`serving.discovery`), resolving with `resolve` (None: the system's
+        DNS). With `engine_host`, this server's own are reached over the link too, at
+        that Unix socket (the engine host `python -m serving --workers N` starts)."""
+        places: dict[tuple[str, int | None], HostSlot] = {}
 
         def linked(config: ReplicaConfig, address: str, token: str | None) -> Engine:
-            if address not in links:
-                links[address] = EngineLink(address, token)
-            return LinkedEngine(config, links[address])
+            key = (address, config.slot)
+            if key not in places:
+                link = EngineLink(address, token) if config.slot is None else None
+                places[key] = HostSlot(link)
+            return LinkedEngine(config, places[key])
 
         engines = {c.name: linked(c, c.engine_host, link_token)
                    for c in deployment.replicas if c.engine_host is not None}  # fmt: skip
@@ -202,14 +218,25 @@ class ReplicaSet:
             engines |= {c.name: make(c) for c in own}
         else:
             engines |= {c.name: make_engine(c) for c in own}
+        discoveries = []
+        if deployment.discovered:
+            from serving.discovery import Discovery, dns_resolver
+
+            resolve = resolve or dns_resolver()
+            discoveries = [
+                Discovery(name, [places[(name, i)] for i in range(n)], link_token, resolve)
+                for name, n in deployment.discovered.items()
+            ]
         return cls([Replica(c, engines[c.name] if c.name in engines else make_engine(c))
-                    for c in deployment.replicas])  # fmt: skip
+                    for c in deployment.replicas], discoveries=discoveries)  # fmt: skip
 
     async def start(self) -> None:
         """Start every engine at once, then supervise each; any engine that fails to start
         stops the others and raises, since a deployment that never ran is a configuration
-        error to report, not an outage to ride out."""
+        error to report, not an outage to ride out. The engine hosts behind DNS names are
+        looked up first, and then again on a period."""
         try:
+            await asyncio.gather(*(d.refresh() for d in self.discoveries))
             await asyncio.gather(*(r.engine.start() for r in self.replicas))
         except BaseException:
             await self.close()
@@ -217,6 +244,9 @@ class ReplicaSet:
         self._supervisors = [
             asyncio.create_task(Supervisor(r, self._backoff(r)).run(), name=f"supervise {r.name}")
             for r in self.replicas
+        ]
+        self._supervisors += [
+            asyncio.create_task(d.run(), name=f"discover {d.address}") for d in self.discoveries
         ]
 
     def _backoff(self, replica: Replica) -> Backoff:
@@ -234,6 +264,8 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)
         self._supervisors = []
+        for discovery in self.discoveries:
+            discovery.close()
         results = await asyncio.gather(
             *(r.engine.close() for r in self.replicas), return_exceptions=True
         )

@@ -150,6 +150,10 @@ BROKEN = {
         lambda s: s["placements"]["remote"][0].update(engine_host="node-2:7000"),
         "placements.remote.0",
     ),
+    "hosts without an engine host": (
+        lambda s: s["placements"]["embedded-cpu"][0].update(hosts=2),
+        "placements.embedded-cpu.0",
+    ),
     "cpu_cores not a core list": (
         lambda s: s["placements"]["embedded-cpu"][1].update(cpu_cores="the first two"),
         "placements.embedded-cpu.1.cpu_cores",
@@ -323,3 +327,25 @@ def test_an_engine_host_runs_the_replicas_its_placement_entries_name(tmp_path: P
     (mine,) = deployment.run_by("node-2:7000").replicas
     assert mine.name == "node-2:7000/cpu/tiny-m" and mine.engine_host is None
     assert [r.name for r in deployment.run_by(None).replicas] == ["cpu/tiny-l"]
+
+
+def test_an_engine_host_name_with_hosts_behind_it_is_a_slot_per_host(tmp_path: Path) -> None:
+    entries = [
+        {"model": "tiny-s", "device": "cpu", "engine_host": "engines.ns.svc:7000", "hosts": 2},
+        {"model": "tiny-m", "device": "cpu", "engine_host": "engines.ns.svc:7000", "hosts": 2},
+    ]
+    twin = {"placement": "fleet", "profile": "embedded-measured", "engine": "simulated",
+            "simulation": {"tokenizer": "tiny-s"}}  # fmt: skip
+    deployment = load_deployment(write_test_config(tmp_path, fleet=(entries, twin)), "fleet")
+    assert [r.name for r in deployment.replicas] == [
+        f"engines.ns.svc:7000#{slot}/cpu/{model}"
+        for model in ("tiny-s", "tiny-m") for slot in (0, 1)
+    ]  # fmt: skip
+    assert deployment.discovered == {"engines.ns.svc:7000": 2}
+    # Every host behind the name runs the entries once, under the names without a slot.
+    assert [r.name for r in deployment.run_by("engines.ns.svc:7000").replicas] == [
+        "engines.ns.svc:7000/cpu/tiny-s", "engines.ns.svc:7000/cpu/tiny-m"
+    ]  # fmt: skip
+    entries[1]["hosts"] = 3
+    with pytest.raises(ConfigError, match="the same hosts"):
+        load_deployment(write_test_config(tmp_path, fleet=(entries, twin)), "fleet")

@@ -22,7 +22,13 @@ from serving.engines.base import (
     Sampling,
     TokenDelta,
 )
-from serving.engines.engine_link import EngineLink, LinkedEngine, link_address, read_link_token
+from serving.engines.engine_link import (
+    EngineLink,
+    HostSlot,
+    LinkedEngine,
+    link_address,
+    read_link_token,
+)
 from serving.launch import ROOT, free_port
 from serving.replicas import ReplicaSet
 from workloads import Message, Request
@@ -43,7 +49,7 @@ class Hosted:
 
     def linked(self, index: int = 0) -> LinkedEngine:
         """A replica's engine as a new worker reaches it: over a link of its own."""
-        return LinkedEngine(self.replicas[index].config, EngineLink(self.path))
+        return LinkedEngine(self.replicas[index].config, HostSlot(EngineLink(self.path)))
 
 
 @contextlib.asynccontextmanager
@@ -143,7 +149,7 @@ async def test_a_lost_host_ends_open_streams_in_engine_errors(tmp_path: Path) ->
     path = str(tmp_path / "link.sock")
     async with engines(tmp_path) as replicas:
         async with link_server(replicas, path) as host:
-            linked = LinkedEngine(replicas[0].config, EngineLink(path))
+            linked = LinkedEngine(replicas[0].config, HostSlot(EngineLink(path)))
             await linked.start()
             stream = linked.generate(request("cut", 1_500), EXACT)
             await anext(stream)
@@ -161,7 +167,7 @@ async def test_over_tcp_a_front_end_with_the_token_is_served(tmp_path: Path) -> 
     """The link of another host: TCP, and the shared token first."""
     address = f"127.0.0.1:{free_port()}"
     async with engines(tmp_path) as replicas, link_server(replicas, address, TOKEN) as host:
-        linked = LinkedEngine(replicas[0].config, EngineLink(address, TOKEN))
+        linked = LinkedEngine(replicas[0].config, HostSlot(EngineLink(address, TOKEN)))
         await linked.start()
         assert linked.healthy() and len(host.workers) == 1
         out = await collect(linked, request("tcp", 12), EXACT)
@@ -175,7 +181,7 @@ async def test_a_wrong_or_missing_token_is_refused_with_a_line_that_says_so(
 ) -> None:
     address = f"127.0.0.1:{free_port()}"
     async with engines(tmp_path) as replicas, link_server(replicas, address, TOKEN) as host:
-        linked = LinkedEngine(replicas[0].config, EngineLink(address, token))
+        linked = LinkedEngine(replicas[0].config, HostSlot(EngineLink(address, token)))
         with pytest.raises(EngineUnavailable, match="refused this front-end") as refused:
             await linked.start()
         why = "wrong link token" if token else "no link token"
@@ -224,7 +230,7 @@ async def test_a_strangers_bytes_are_refused_and_the_host_serves_on(
                 await reader.read()  # until the host closes it
             writer.close()
         assert not host.workers
-        linked = LinkedEngine(replicas[0].config, EngineLink(address, TOKEN))
+        linked = LinkedEngine(replicas[0].config, HostSlot(EngineLink(address, TOKEN)))
         await linked.start()
         assert sum(d.tokens for d in await collect(linked, request("after", 5), EXACT)) == 5
         await linked.close()

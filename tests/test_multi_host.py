@@ -5,8 +5,10 @@ sockets: only the addresses stand in for hosts."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import httpx
 import pytest
 
 from serving.launch import Launched, free_port, launch
+from tests.support.dns import Dnsmasq
 from tests.support.servers import serving_command, write_test_config
 from tests.support.tiers import starts
 
@@ -41,11 +44,14 @@ def answers(host: str, port: int) -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-def engine_host(config: Path, address: str, token_file: Path, log: Path) -> Launched:
+def engine_host(
+    config: Path, address: str, token_file: Path, log: Path, *extra: str,
+    deployment: str = "two-hosts", time_scale: str = "0.1",
+) -> Launched:  # fmt: skip
     host, port = address.split(":")
     command = [sys.executable, "-m", "serving.engine_host", "--config", str(config),
-               "--deployment", "two-hosts", "--listen", address, "--link-token-file",
-               str(token_file), "--time-scale", "0.1"]  # fmt: skip
+               "--deployment", deployment, "--listen", address, "--link-token-file",
+               str(token_file), "--time-scale", time_scale, *extra]  # fmt: skip
     launched = launch(f"engine host {address}", command, int(port), "", log)
     deadline = time.monotonic() + 60
     while not answers(host, int(port)):
@@ -123,3 +129,109 @@ def test_a_front_end_with_a_wrong_token_is_refused_and_serves_nothing(
     for launched in fleet.hosts:
         heard = launched.tail(200)
         assert "refused a front-end at 127.0.0.1:" in heard and "wrong link token" in heard
+
+
+NAME = "engines.fleet.test"
+
+
+@dataclass
+class DnsFleet:
+    dns: Dnsmasq
+    config: Path
+    token: Path
+    port: int
+    hosts: list[Launched]
+
+    def replica(self, slot: int) -> str:
+        return f"{NAME}:{self.port}#{slot}/cpu/tiny-s"
+
+
+@pytest.fixture
+@starts("multihost")
+def dns_fleet(tmp_path: Path) -> Iterator[DnsFleet]:
+    """A real DNS server, and an engine host on 127.0.0.2 and on 127.0.0.3 at one port, each
+    running tiny-s as the pods of a headless Service `NAME` do, at the profile's own speed."""
+    dns = Dnsmasq(tmp_path)
+    port = free_port()
+    entry = {"model": "tiny-s", "device": "cpu", "engine_host": f"{NAME}:{port}", "hosts": 2}
+    deployment = {**placement([0, 0])[1], "placement": "dns"}
+    config = write_test_config(tmp_path, dns=([entry], deployment))
+    token = tmp_path / "link-token"
+    token.write_text(TOKEN)
+    hosts: list[Launched] = []
+    try:
+        for host in HOSTS:
+            hosts.append(engine_host(config, f"{host}:{port}", token, tmp_path / f"{host}.log",
+                                     "--as", f"{NAME}:{port}", deployment="dns",
+                                     time_scale="1"))  # fmt: skip
+        yield DnsFleet(dns, config, token, port, hosts)
+    finally:
+        for launched in hosts:
+            launched.stop()
+        dns.stop()
+
+
+def ask(url: str, i: int) -> str:
+    """One short request; the replica that served it."""
+    body = {"model": "auto", "max_tokens": 2, "messages": [{"role": "user", "content": f"Hi {i}"}]}
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.headers["x-replica"]
+
+
+def wait_for(server: Launched, line: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in server.tail(400):
+        assert time.monotonic() < deadline, f"no {line!r} in {timeout_s} s:\n{server.tail()}"
+        time.sleep(0.1)
+
+
+def test_a_front_end_finds_hosts_through_dns_and_lets_one_that_left_finish(
+    dns_fleet: DnsFleet, tmp_path: Path
+) -> None:
+    fleet, port = dns_fleet, dns_fleet.port
+    fleet.dns.set(NAME, "127.0.0.2")
+    front = free_port()
+    command = serving_command(fleet.config, "dns", front, "--h3-port", "0",
+                              "--link-token-file", str(fleet.token),
+                              "--dns-server", fleet.dns.server)  # fmt: skip
+    with launch("front-end", command, front, "/readyz", tmp_path / "front-end.log") as server:
+        server.ready(60)
+        assert {ask(server.url, i) for i in range(4)} == {fleet.replica(0)}
+
+        # A host added to DNS is found, connected to and routed to.
+        fleet.dns.set(NAME, "127.0.0.2", "127.0.0.3")
+        wait_for(server, f"engine host 127.0.0.3:{port} found behind {NAME}:{port} (slot 1)")
+        deadline = time.monotonic() + 10
+        while fleet.replica(1) not in {ask(server.url, i) for i in range(2)}:
+            assert time.monotonic() < deadline, "never routed to the host that joined"
+
+        # A long stream on 127.0.0.2, which leaves DNS while it runs.
+        body = {"model": "auto", "max_tokens": 1500, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "A long story"}]}  # fmt: skip
+        lines: list[str] = []
+        with httpx.Client(timeout=60) as client:
+            for _ in range(4):  # round-robin: the first or the second that lands on slot 0
+                stream = client.stream("POST", server.url + "/v1/chat/completions", json=body)
+                response = stream.__enter__()
+                if response.headers["x-replica"] == fleet.replica(0):
+                    break
+                stream.__exit__(None, None, None)
+            else:
+                pytest.fail("no stream landed on the first host")
+            reading = threading.Thread(target=lambda: lines.extend(response.iter_lines()))
+            reading.start()
+            fleet.dns.set(NAME, "127.0.0.3")
+            wait_for(server, f"engine host 127.0.0.2:{port} left {NAME}:{port} (slot 0): it "
+                             "finishes its 1 requests in flight")  # fmt: skip
+            # No new request goes to the host that left...
+            assert {ask(server.url, i) for i in range(4)} == {fleet.replica(1)}
+            assert reading.is_alive(), "the stream ended before the host left: make it longer"
+            reading.join(60)
+            stream.__exit__(None, None, None)
+        # ...and the one in flight there finished whole, after which its link closed.
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]", lines[-3:]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        wait_for(server, f"engine link to 127.0.0.2:{port} closed")
+        assert "lost" not in server.tail(400).split("(slot 0): it finishes")[-1]

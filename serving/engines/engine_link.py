@@ -19,9 +19,9 @@ Frames are msgpack arrays, each after its length (4 bytes, big-endian):
   ...]]` (`extra`: None, or a delta's logprobs, echo and cached tokens as a map),
   `["end", request_id]` once the engine is done with a request, `["error", request_id, kind,
   message, param, code]` (`kind`: unavailable, invalid or engine), and `["load", {replica:
-  [running, waiting, batch_cap, healthy]}]` first and then every LOAD_REPORT_S while it
-  changes; or, to a worker whose hello it refuses, `["refused", why]`, and the connection
-  closes.
+  [running, waiting, batch_cap, healthy]}]` first, then every LOAD_REPORT_S while it
+  changes and every HEARTBEAT_S while it does not; or, to a worker whose hello it refuses,
+  `["refused", why]`, and the connection closes.
 
 The token is a shared secret (`--link-token-file`: a Kubernetes Secret mounted on every host),
 compared in constant time. It keeps whatever else runs on the cluster's network from using or
@@ -62,6 +62,12 @@ log = logging.getLogger(__name__)
 LOAD_REPORT_S = 0.01
 """How often the host tells its workers each replica's load, while it changes: the staleness of
 the other workers' share in a worker's view."""
+
+HEARTBEAT_S = 1.0
+"""How often a host reports loads that did not change: it says the host is still there."""
+SILENT_S = 3.0
+"""A host on another host (TCP) not heard from for this long is taken for lost, as a crashed
+node sends no FIN: its requests fail and its replicas leave the view until it answers again."""
 
 CONNECT_TIMEOUT_S = 5.0
 """How long a front-end waits for an engine host's first report, and a host with a token for a
@@ -169,11 +175,18 @@ class _Open:
 
 class EngineLink(asyncio.Protocol):
     """A worker's one connection to an engine host, shared by its `LinkedEngine`s there.
-    `address`: a Unix socket's path, or HOST:PORT; `token`: the host's link token."""
+    `address`: a Unix socket's path, or HOST:PORT; `token`: the host's link token; `on_lost`:
+    called when the connection is lost."""
 
-    def __init__(self, address: str, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, token: str | None = None, on_lost: Callable[[], None] | None = None
+    ) -> None:
         self.path = address
         self._token = token
+        self._on_lost = on_lost
+        self._heard_at = 0.0
+        self._closed = False
+        """Closed here, on purpose: its end is no loss."""
         self._refused: str | None = None
         self._transport: asyncio.Transport | None = None
         self._reader = FrameReader(self._on_frame)
@@ -195,7 +208,20 @@ class EngineLink(asyncio.Protocol):
 
     @property
     def connected(self) -> bool:
-        return self._transport is not None and not self._transport.is_closing()
+        """Connected, and not silent past SILENT_S (on TCP: a lost host's connection is
+        closed here, failing its requests)."""
+        if self._transport is None or self._transport.is_closing():
+            return False
+        if self.remote and time.monotonic() - self._heard_at > SILENT_S:
+            log.warning("engine host at %s silent for %g s: taken for lost", self.path, SILENT_S)
+            self._transport.abort()  # connection_lost comes in the next pass of the loop
+            return False
+        return True
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent over the link that have not ended."""
+        return len(self._open)
 
     async def connect(self) -> None:
         """Connect, unless connected; EngineUnavailable if the host does not answer."""
@@ -207,6 +233,7 @@ class EngineLink(asyncio.Protocol):
             loop = asyncio.get_running_loop()
             self._reported = asyncio.Event()
             self._refused = None
+            self._closed = False
             where = link_address(self.path)
             try:
                 if isinstance(where, str):
@@ -233,19 +260,26 @@ class EngineLink(asyncio.Protocol):
         # its class (`--loop uvloop`).
         self._transport = cast(asyncio.Transport, transport)
         self._reader = FrameReader(self._on_frame)
+        self._heard_at = time.monotonic()
         self._transport.write(frame(["hello", self._token]))  # None where it has none
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._loads.clear()
+        if self._closed and not self._open:
+            log.info("engine link to %s closed", self.path)
+            return
         log.warning(
             "engine link to %s lost: %d requests in flight fail", self.path, len(self._open)
         )
         for held in self._open.values():
             held.queue.put_nowait(UpstreamLost(f"lost the engine host at {self.path}"))
         self._open.clear()
+        if self._on_lost is not None:
+            self._on_lost()
 
     def data_received(self, data: bytes) -> None:
+        self._heard_at = time.monotonic()
         self._reader.feed(data)
 
     def _on_frame(self, message: list[Any]) -> None:
@@ -308,6 +342,7 @@ class EngineLink(asyncio.Protocol):
                 self.send(["abort", request_id])
 
     def close(self) -> None:
+        self._closed = True
         if self._transport is not None:
             self._transport.close()
 
@@ -320,30 +355,58 @@ def _error(kind: str, text: str, param: str | None, code: str | None) -> Excepti
     return EngineError(text)
 
 
-class LinkedEngine:
-    """A replica whose engine runs in the engine host: the `Engine` interface over the link."""
+class HostSlot:
+    """Where a replica's engine host is: the link to it, or None while none holds the place (a
+    slot of hosts found through DNS, `serving.discovery`, that no host fills)."""
 
-    def __init__(self, config: ReplicaConfig, link: EngineLink) -> None:
+    __slots__ = ("link",)
+
+    def __init__(self, link: EngineLink | None = None) -> None:
+        self.link = link
+
+
+class LinkedEngine:
+    """A replica whose engine runs in an engine host: the `Engine` interface over the link of
+    its slot. The host knows it as `config.host_name`."""
+
+    def __init__(self, config: ReplicaConfig, slot: HostSlot) -> None:
         self.config = config
-        self._link = link
-        self._mine: set[str] = set()
+        self._name = config.host_name
+        self._slot = slot
+        self._mine: dict[str, EngineLink] = {}
+        """Its requests in flight, each with the link it went over: a slot's host can change
+        under a request, which goes on with the host it started on."""
+
+    @property
+    def link(self) -> EngineLink | None:
+        return self._slot.link
 
     async def start(self) -> None:
+        link = self._slot.link
+        if link is None:
+            log.warning("%s: no engine host found for it yet", self.config.name)
+            return
         try:
-            await self._link.connect()
+            await link.connect()
         except EngineUnavailable:
             # An engine host on another host that is not up yet is an outage for the supervisor
             # to ride out, as a remote server's is; a refusal is a configuration error.
-            if not self._link.remote or self._link.refused is not None:
+            if not link.remote or link.refused is not None:
                 raise
-            log.warning("%s: no engine host at %s yet", self.config.name, self._link.path)
+            log.warning("%s: no engine host at %s yet", self.config.name, link.path)
 
     def healthy(self) -> bool:
-        report = self._link.report(self.config.name)
-        return self._link.connected and report is not None and bool(report[3])
+        link = self._slot.link
+        if link is None:
+            return False
+        report = link.report(self._name)
+        return report is not None and bool(report[3]) and link.connected
 
     async def recover(self) -> None:
-        await self._link.connect()
+        link = self._slot.link
+        if link is None:
+            raise EngineUnavailable(f"{self.config.name}: no engine host found for it")
+        await link.connect()
         if not self.healthy():
             raise EngineUnavailable(f"{self.config.name}: down in the engine host")
 
@@ -351,31 +414,36 @@ class LinkedEngine:
         return len(self._mine)
 
     def load(self) -> UpstreamLoad | None:
-        report = self._link.report(self.config.name)
-        if report is None:
+        link = self._slot.link
+        report = None if link is None else link.report(self._name)
+        if link is None or report is None:
             return None
         running, waiting, batch_cap, _ = report
         others = max(0, running + waiting - len(self._mine))
-        return UpstreamLoad(running, waiting, None, others, batch_cap, self._link.load_at)
+        return UpstreamLoad(running, waiting, None, others, batch_cap, link.load_at)
 
     async def generate(self, request: Request, sampling: Sampling) -> AsyncIterator[TokenDelta]:
-        if not self.healthy():
-            raise EngineUnavailable(f"{self.config.name}: not running in the engine host")
+        link = self._slot.link
+        if link is None or not self.healthy():
+            raise EngineUnavailable(f"{self.config.name}: not running in an engine host")
         request_id = request.request_id
-        held = self._link.open(request, self.config.name, sampling)
-        self._mine.add(request_id)
+        held = link.open(request, self._name, sampling)
+        self._mine[request_id] = link
         try:
             while (item := await held.queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            self._mine.discard(request_id)
-            if self._link.forget(request_id) and self._link.connected:
-                self._link.send(["abort", request_id])  # closed early: the host frees its slot
+            self._mine.pop(request_id, None)
+            if link.forget(request_id) and link.connected:
+                link.send(["abort", request_id])  # closed early: the host frees its slot
 
     async def abort(self, request_id: str) -> None:
-        self._link.cancel(request_id, EngineError(f"{self.config.name}: aborted"))
+        link = self._mine.get(request_id)
+        if link is not None:
+            link.cancel(request_id, EngineError(f"{self.config.name}: aborted"))
 
     async def close(self) -> None:
-        self._link.close()
+        if self._slot.link is not None:
+            self._slot.link.close()

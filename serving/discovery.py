@@ -1,0 +1,165 @@
+"""Engine hosts found through DNS, as a Kubernetes headless Service gives them: one address per
+ready pod.
+
+A placement entry with `engine_host: NAME:PORT` and `hosts: N` puts its replicas on N slots
+(`HostSlot`), each a place of its own in the router's view. The view keeps all N places whether
+or not a host fills them (an empty one is down), because a trained policy reads a state of a
+fixed size. Every RESOLVE_S, and at once when a link is lost, the front-end resolves NAME:
+
+- an address that is new takes the first free slot, and is connected to;
+- a slot whose address left is freed at once, so it takes no new request, while its link stays
+  open until the requests on it have ended: a host removed from DNS while it serves (a pod that
+  is terminating, a scale-down) finishes them;
+- an answer that fails (a timeout, a server that is down) changes nothing: a DNS outage is not a
+  fleet outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable
+
+from serving.engines.engine_link import EngineLink, HostSlot, link_address
+
+log = logging.getLogger(__name__)
+
+RESOLVE_S = 2.0
+"""How often the names are resolved again: with Kubernetes' DNS (CoreDNS answers with a TTL of
+5 s), a host that became ready is routed to within about 7 s."""
+RESOLVE_TIMEOUT_S = 2.0
+
+Resolve = Callable[[str], Awaitable[list[str] | None]]
+"""A name's addresses, sorted; None where the answer failed (and says nothing of the hosts)."""
+
+
+def dns_resolver(server: str | None = None) -> Resolve:
+    """Resolve with the system's DNS configuration (a pod's: the cluster's DNS and its search
+    domains), or with the server at `server` (HOST:PORT) alone."""
+    # dnspython rather than getaddrinfo: it names a server and port of its own (tests run a
+    # real dnsmasq on a free port), asks no cache, and tells "no such host" from a failure.
+    import dns.asyncresolver
+    import dns.exception
+    import dns.resolver
+
+    resolver = dns.asyncresolver.Resolver(configure=server is None)
+    if server is not None:
+        where = link_address(server)
+        if isinstance(where, str):
+            raise ValueError(f"a DNS server is HOST:PORT, got {server!r}")
+        resolver.nameservers, resolver.port = [where[0]], where[1]
+    said: set[str] = set()
+
+    async def resolve(name: str) -> list[str] | None:
+        with contextlib.suppress(ValueError):
+            return [str(ipaddress.ip_address(name))]
+        for kind in ("A", "AAAA"):  # IPv6 where the name has no IPv4 address (a v6 cluster)
+            try:
+                answer = await resolver.resolve(name, kind, search=True, lifetime=RESOLVE_TIMEOUT_S)
+            except dns.resolver.NXDOMAIN:
+                return []
+            except dns.resolver.NoAnswer:
+                continue
+            except dns.exception.DNSException as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                if problem not in said:  # once per reason: DNS away for an hour logs once
+                    said.add(problem)
+                    log.warning("resolving %s failed (%s): the engine hosts stay as they are",
+                                name, problem)  # fmt: skip
+                return None
+            return sorted({record.address for record in answer})
+        return []
+
+    return resolve
+
+
+class Discovery:
+    """Keeps `slots` filled with the engine hosts behind `address` (NAME:PORT)."""
+
+    def __init__(
+        self,
+        address: str,
+        slots: list[HostSlot],
+        token: str | None,
+        resolve: Resolve,
+        period_s: float = RESOLVE_S,
+    ) -> None:
+        where = link_address(address)
+        if isinstance(where, str):
+            raise ValueError(f"an engine host found through DNS is NAME:PORT, got {address!r}")
+        self.address = address
+        self.name, self.port = where
+        self.slots = slots
+        self.token = token
+        self.resolve = resolve
+        self.period_s = period_s
+        self._held: dict[str, HostSlot] = {}
+        self._draining: list[EngineLink] = []
+        self._wake = asyncio.Event()
+        self._full_said = False
+
+    @property
+    def hosts(self) -> list[str]:
+        """The addresses (HOST:PORT) holding a slot, in slot order."""
+        return [slot.link.path for slot in self.slots if slot.link is not None]
+
+    @property
+    def draining(self) -> list[str]:
+        """The addresses that left, with requests still in flight."""
+        return [link.path for link in self._draining]
+
+    async def run(self) -> None:
+        """Resolve every `period_s`, and when a link is lost, until cancelled."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.period_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Resolve once; fill and free the slots by the answer; connect to the newcomers."""
+        answer = await self.resolve(self.name)
+        joined = [] if answer is None else self.update(answer)
+        for link in [link for link in self._draining if not link.in_flight]:
+            link.close()
+            self._draining.remove(link)
+        await asyncio.gather(*(link.connect() for link in joined), return_exceptions=True)
+
+    def update(self, found: list[str]) -> list[EngineLink]:
+        """Take `found`, the name's addresses, as the hosts; the links of those that joined."""
+        addresses = [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}"
+                     for a in sorted(found)]  # fmt: skip
+        for address in [a for a in self._held if a not in addresses]:
+            slot = self._held.pop(address)
+            assert slot.link is not None
+            log.info("engine host %s left %s (slot %d): it finishes its %d requests in flight",
+                     address, self.address, self.slots.index(slot),
+                     slot.link.in_flight)  # fmt: skip
+            self._draining.append(slot.link)
+            slot.link = None
+        joined: list[EngineLink] = []
+        free = [slot for slot in self.slots if slot.link is None]
+        for address in [a for a in addresses if a not in self._held]:
+            if not free:
+                if not self._full_said:
+                    self._full_said = True
+                    log.warning("%s has more engine hosts than its %d slots (hosts:): %s and "
+                                "any more go unused", self.address, len(self.slots),
+                                address)  # fmt: skip
+                break
+            slot = free.pop(0)
+            slot.link = EngineLink(address, self.token, on_lost=self._wake.set)
+            self._held[address] = slot
+            joined.append(slot.link)
+            log.info("engine host %s found behind %s (slot %d)", address, self.address,
+                     self.slots.index(slot))  # fmt: skip
+        return joined
+
+    def close(self) -> None:
+        """Close the links of the hosts that left (the slots' close with their engines)."""
+        for link in self._draining:
+            link.close()
+        self._draining.clear()
