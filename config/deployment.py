@@ -7,7 +7,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -276,17 +276,55 @@ class Deployment:
 
 
 def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
-    return _read(Path(path), ModelsFile)
+    return _load(Path(path))[0]
+
+
+EXTENDED = frozenset(
+    {"models", "placements", "profiles", "qos_classes", "tiers", "path_mixes", "deployments"}
+)
+"""The sections of a models.yaml that one which `extends` it adds to, name by name; it replaces
+the others whole."""
+
+
+def _load(path: Path) -> tuple[ModelsFile, Path]:
+    """models.yaml at `path`, on top of the file it `extends` (a site's own placements and
+    deployments over the shipped ones: a Kubernetes ConfigMap); and the folder relative paths
+    resolve against: the extended file's (the shipped one's), whose model, policy and quality
+    paths are relative, and the extending file's own are taken as written there."""
+    raw, base = _yaml(path), path.parent
+    seen = [path.resolve()]
+    while isinstance(raw, dict) and "extends" in raw:
+        below = (base / str(raw.pop("extends"))).resolve()
+        if below in seen:
+            raise ConfigError(f"{path}: extends itself, through {below}")
+        seen.append(below)
+        under, base = _yaml(below), below.parent
+        if not isinstance(under, dict):
+            raise ConfigError(f"{below}: not a models.yaml")
+        for key, value in raw.items():
+            if key in EXTENDED and isinstance(value, dict) and isinstance(under.get(key), dict):
+                under[key] = {**under[key], **value}
+            else:
+                under[key] = value
+        raw = under
+    return _validate(path, raw, ModelsFile), base
 
 
 def _read(path: Path, schema: type[S]) -> S:
     """A YAML file read as `schema`; ConfigError naming the file and what is wrong."""
+    return _validate(path, _yaml(path), schema)
+
+
+def _yaml(path: Path) -> Any:
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+
+
+def _validate(path: Path, raw: Any, schema: type[S]) -> S:
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
@@ -425,9 +463,8 @@ def load_deployment(
 ) -> Deployment:
     """Deployment `name` of models.yaml at `path`; with `paths`, its clients on that path mix
     instead of the one it names."""
-    path = Path(path).resolve()
-    spec = load(path)
-    deployment = resolve(spec, name, path.parent)
+    spec, base_dir = _load(Path(path).resolve())
+    deployment = resolve(spec, name, base_dir)
     if paths is None:
         return deployment
     if paths not in spec.path_mixes:
@@ -592,11 +629,11 @@ def deployment_serving(path: str | Path, models: Collection[str]) -> Deployment:
     several do, their quality tables must agree, since a load generator scores answers with it.
     Raises ConfigError saying why where none does, or where those that do disagree."""
     path = Path(path).resolve()
-    spec = load(path)
+    spec, base_dir = _load(path)
     serving, unreadable = [], []
     for name in sorted(spec.deployments, key=lambda name: name != spec.default_deployment):
         try:
-            deployment = resolve(spec, name, path.parent)
+            deployment = resolve(spec, name, base_dir)
         except ConfigError:  # a file it names is missing, say: not the server's, or not here
             unreadable.append(name)
             continue

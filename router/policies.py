@@ -278,16 +278,21 @@ class DqnPolicy:
         return cls(layers, meta)
 
     def check_fits(self, deployment: Deployment) -> None:
-        """Raise unless the deployment has the replicas and models this policy was trained on.
+        """Raise unless the deployment has the replicas and models this policy was trained on:
+        a replica of the same model in each place of its view, whatever the replicas' names (a
+        fleet's `engines...:7000#2/cuda:0/opt-6.7b` is one 4-GPU host's `cuda:2/opt-6.7b`).
         Tasks and classes may differ: unknown ones encode as zeros (FeatureEncoder)."""
+        trained = dict(self.meta)
+        if isinstance(names := trained.get("replicas"), list):
+            trained["replicas"] = [str(name).rsplit("/", 1)[-1] for name in names]
         layout: dict[str, object] = {
-            "replicas": [r.name for r in deployment.replicas],
+            "replicas": [r.model for r in deployment.replicas],
             "models": deployment.models,
         }
         if self.encoder.reads_lengths:  # max_tokens' default, which it reads, is the context's
             layout["context"] = deployment.max_model_len
         for key, want in layout.items():
-            if self.meta.get(key) != want:
+            if trained.get(key) != want:
                 raise ValueError(
                     f"the policy was trained with {key} {self.meta.get(key)}, but deployment "
                     f"{deployment.name!r} has {want}; retrain it with python -m router.train"

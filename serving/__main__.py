@@ -14,6 +14,7 @@ from config import ConfigError, Deployment
 from router.policies import POLICIES
 from serving.engine_host import hosted
 from serving.engines.engine_link import link_address, read_link_token
+from serving.fleet_rate import front_end_host
 from serving.metrics import count_lost
 from serving.shared_view import SharedView
 from transport.cli import add_server_arguments, prepare
@@ -34,7 +35,8 @@ def _policy_name(name: str) -> str:
     return name
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m serving`'s arguments (tests/test_manifests.py parses the manifests' with it)."""
     parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
     add_server_arguments(parser, tcp_port=8000, udp_port=8443)
     parser.add_argument(
@@ -111,10 +113,28 @@ def main() -> int:
         help="resolve the engine hosts behind DNS names (placement entries with hosts:) with "
         "this server alone (default: the system's resolver, a pod's cluster DNS)",
     )
+    parser.add_argument(
+        "--front-ends",
+        metavar="NAME",
+        help="the DNS name of every front-end host (a headless Service): each admits its share "
+        "of every key's limits, 1/N where the name has N addresses (docs/multi-host.md)",
+    )
+    parser.add_argument(
+        "--no-rate-exchange",
+        dest="rate_exchange",
+        action="store_false",
+        help="with engine hosts on other hosts: route on this host's arrival rate alone, not "
+        "the whole fleet's that the front-end hosts exchange through them",
+    )
     # What the supervisor tells a worker (not for people): where the engine host's link is, and
     # the folder of what the workers share (`serving.shared_view`).
     parser.add_argument("--engine-host", help=argparse.SUPPRESS)
     parser.add_argument("--shared-view", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     setup = prepare(parser, args)
     deployment = setup.deployment
@@ -140,6 +160,7 @@ def main() -> int:
         )
     if args.dns_server is not None and isinstance(link_address(args.dns_server), str):
         parser.error(f"--dns-server: {args.dns_server!r} is not HOST:PORT")
+    front_end_host()  # one id for this host's workers, which inherit it
     if args.worker_index is None and (args.workers > 1 or args.separate_engines):
         return _supervise(args, deployment, setup.listen, setup.reset_key)
     _route_request_log(args.request_log)
@@ -150,7 +171,7 @@ def main() -> int:
         app = build_app(
             deployment, args.policy, args.max_body_bytes, args.worker_index, args.engine_host,
             SharedView.attach(args.shared_view, deployment) if args.shared_view else None,
-            link_token, args.dns_server,
+            link_token, args.dns_server, args.front_ends, args.rate_exchange,
         )  # fmt: skip
     except ValueError as exc:  # the policy cannot be built: a bad name, file or model
         parser.error(f"policy: {exc}")

@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from config import Deployment
+from router.features import ArrivalRateEstimator
 from router.policies import make_policy
 from router.prefix import PrefixAffinity
 from serving.api import create_app
 from serving.engines.kv_events import Rehasher, subscribe
 from serving.engines.prompts import gateway_counter
+from serving.fleet_rate import FleetArrivalRate, exchange, front_end_host
 from serving.gateway import Gateway
 from serving.metrics import Metrics
 from serving.middleware import ShedAtTheDoor, record_of, stopping_drain
@@ -38,6 +40,8 @@ def build_app(
     shared_view: SharedView | None = None,
     link_token: str | None = None,
     dns_server: str | None = None,
+    front_ends: str | None = None,
+    rate_exchange: bool = True,
 ) -> FastAPI:
     """The app for `deployment`. Its engines start with the app's lifespan and stop with it.
     `app.state.drain` is its stop, for the server (`transport.server.DualServer`) to start.
@@ -46,19 +50,27 @@ def build_app(
     `shared_view`: what the workers share (`serving.shared_view`), where this worker
     publishes its arrivals, its requests and its keys' counts, and reads the others';
     `link_token`: what engine hosts on other hosts ask of a front-end (`--link-token-file`);
-    `dns_server`: where the engine hosts behind DNS names are looked up (`--dns-server`)."""
+    `dns_server`: where the engine hosts behind DNS names are looked up (`--dns-server`);
+    `front_ends`: the DNS name of every front-end host, among which the keys' limits are
+    shared (`--front-ends`); `rate_exchange`: with engine hosts on other hosts, route on the
+    whole fleet's arrival rate (`serving.fleet_rate`), not this host's alone."""
     resolve = None
-    if dns_server is not None:
+    if dns_server is not None or front_ends is not None:
         from serving.discovery import dns_resolver
 
         resolve = dns_resolver(dns_server)
     replicas = ReplicaSet.from_deployment(deployment, engine_host, link_token, resolve)
     index = worker or 0
-    rate = accounts = peers = None
+    rate: ArrivalRateEstimator | None = None
+    accounts = peers = None
     if shared_view is not None:
         replicas.share(shared_view.rows, index)
         rate = SharedArrivalRate(shared_view.rows, index)
         accounts = shared_view.keys.for_worker(index)
+    fleet_rate = None
+    if rate_exchange and deployment.engine_hosts:
+        fleet_rate = FleetArrivalRate(rate or ArrivalRateEstimator(), index, front_end_host())
+        rate = fleet_rate
     metrics = Metrics(replicas, worker, shared_view)
     if shared_view is not None:
         peers = Peers(shared_view, index, metrics.recent.export)
@@ -85,6 +97,17 @@ def build_app(
         gateway.counter = await asyncio.to_thread(gateway_counter, deployment)
         listening = [asyncio.create_task(subscribe(*hearing)) for hearing in hearings]
         await replicas.start()
+        counting: asyncio.Task[None] | None = None
+        exchanging = None
+        if fleet_rate is not None:
+            exchanging = asyncio.create_task(exchange(fleet_rate, replicas.links))
+        if front_ends is not None:
+            assert resolve is not None
+            from serving.discovery import HostCount
+
+            hosts = HostCount(front_ends, resolve, gateway.limiter.set_hosts)
+            await hosts.refresh()  # before the first request: its key gets this host's share
+            counting = asyncio.create_task(hosts.run())
         # Everything built so far (the engines' clients, torch, transformers: hundreds of
         # thousands of objects) lives as long as the server. A full collection scanned it all
         # and stalled the event loop for 0.3-0.6 s at a time under load, holding up every
@@ -99,6 +122,10 @@ def build_app(
             yield
         finally:
             loop_lag.cancel()
+            if counting is not None:
+                counting.cancel()
+            if exchanging is not None:
+                exchanging.cancel()
             for task in listening:
                 task.cancel()
             if peers is not None:

@@ -99,6 +99,7 @@ class Discovery:
         self._draining: list[EngineLink] = []
         self._wake = asyncio.Event()
         self._full_said = False
+        self._empty_said = False
 
     @property
     def hosts(self) -> list[str]:
@@ -122,6 +123,10 @@ class Discovery:
     async def refresh(self) -> None:
         """Resolve once; fill and free the slots by the answer; connect to the newcomers."""
         answer = await self.resolve(self.name)
+        if answer is not None:
+            if not answer and not self._empty_said:  # once, until an address comes back
+                log.warning("DNS has no address for %s: no engine host behind it", self.name)
+            self._empty_said = not answer
         joined = [] if answer is None else self.update(answer)
         for link in [link for link in self._draining if not link.in_flight]:
             link.close()
@@ -163,3 +168,32 @@ class Discovery:
         for link in self._draining:
             link.close()
         self._draining.clear()
+
+
+class HostCount:
+    """How many hosts a DNS name has behind it (the front-ends' own headless Service), for
+    `on_count` to share per-key limits among: at each `refresh`, and every RESOLVE_S in `run`.
+    A failed or empty answer keeps the last count (this host is one, whatever DNS says)."""
+
+    def __init__(
+        self, name: str, resolve: Resolve, on_count: Callable[[int], None],
+        period_s: float = RESOLVE_S,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.resolve = resolve
+        self.on_count = on_count
+        self.period_s = period_s
+        self.count = 1
+
+    async def refresh(self) -> None:
+        found = await self.resolve(self.name)
+        if found and len(found) != self.count:
+            log.info("%d front-end hosts behind %s: each admits 1/%d of each key's limits",
+                     len(found), self.name, len(found))  # fmt: skip
+            self.count = len(found)
+            self.on_count(self.count)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            await self.refresh()

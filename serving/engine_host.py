@@ -63,6 +63,7 @@ RESTART_S = 0.5
 one has run RESTART_STABLE_S."""
 RESTART_MAX_S = 10.0
 RESTART_STABLE_S = 30.0
+DRAIN_S = 30.0
 
 
 @dataclass
@@ -160,6 +161,8 @@ class _Worker(asyncio.Protocol):
             self.tasks[request.request_id] = asyncio.get_running_loop().create_task(serving)
         elif message[0] == "abort" and (aborted := self.tasks.get(message[1])) is not None:
             aborted.cancel()
+        elif message[0] == "rate":
+            self.host.pass_on(self, message)
 
     async def _serve(self, request: Any, name: str, sampling: Sampling) -> None:
         request_id = request.request_id
@@ -210,6 +213,9 @@ class EngineHost:
         self.token = token
         self._by_name = {r.name: r for r in replicas}
         self.workers: set[_Worker] = set()
+        self.draining = False
+        """Stopping: every replica reports down, so that the front-ends send no more, while
+        the requests in flight finish."""
 
     def replica(self, name: str) -> Replica:
         replica = self._by_name.get(name)
@@ -220,7 +226,30 @@ class EngineHost:
     def loads(self) -> dict[str, list[Any]]:
         """Each replica's requests in its engine (running and waiting as one), no batch cap of
         its own (the deployment's profile has it), and whether it is up."""
-        return {r.name: [r.engine.unfinished(), 0, 0, r.engine.healthy()] for r in self.replicas}
+        up = not self.draining
+        return {r.name: [r.engine.unfinished(), 0, 0, up and r.engine.healthy()]
+                for r in self.replicas}  # fmt: skip
+
+    def pass_on(self, sender: _Worker, message: list[Any]) -> None:
+        """A front-end's arrival-rate level, to every other front-end (`serving.fleet_rate`)."""
+        data = frame(message)
+        for worker in self.workers:
+            transport = worker.transport
+            if worker is not sender and transport is not None and not transport.is_closing():
+                transport.write(data)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(worker.tasks) for worker in self.workers)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Report every replica down, and wait up to `timeout_s` for the requests in flight."""
+        self.draining = True
+        if self.in_flight:
+            log.info("draining: %d requests in flight, up to %g s", self.in_flight, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            while self.in_flight:
+                await asyncio.sleep(0.1)
 
     async def report_loads(self) -> None:
         """Every LOAD_REPORT_S, each replica's load to every worker, when it changed; every
@@ -268,8 +297,12 @@ async def link_server(
                 os.unlink(path)
 
 
-async def serve(replicas: ReplicaSet, path: str, token: str | None = None) -> None:
-    """Start the engines, then serve the link at `path` until SIGTERM or SIGINT."""
+async def serve(
+    replicas: ReplicaSet, path: str, token: str | None = None, drain_s: float = DRAIN_S
+) -> None:
+    """Start the engines, then serve the link at `path` until SIGTERM or SIGINT; then give the
+    requests in flight up to `drain_s` to finish (a pod that leaves its Service finishes what it
+    serves)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -279,9 +312,13 @@ async def serve(replicas: ReplicaSet, path: str, token: str | None = None) -> No
         gc.collect()
         gc.freeze()  # as the server does after its engines start (serving.app says why)
         # Bound only once every engine runs: a worker that can connect finds them ready.
-        async with link_server(replicas, path, token):
+        async with link_server(replicas, path, token) as host:
             log.info("engines of %d replicas served on %s", len(replicas.replicas), path)
             await stop.wait()
+            with contextlib.suppress(TimeoutError):
+                await host.drain(drain_s)
+            if host.in_flight:
+                log.warning("stopping with %d requests in flight", host.in_flight)
     finally:
         await replicas.close()
 
@@ -345,7 +382,9 @@ def _answers(path: str) -> bool:
     return True
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The engine host's arguments, checked as far as they can be without reading a file
+    (tests/test_manifests.py parses the manifests' with it); exits with a usage error."""
     parser = argparse.ArgumentParser(prog="python -m serving.engine_host", description=__doc__)
     parser.add_argument("--config", default=str(DEFAULT_PATH))
     parser.add_argument("--deployment")
@@ -365,18 +404,28 @@ def main() -> int:
         f"{MIN_TOKEN_CHARS} characters)",
     )
     parser.add_argument("--time-scale", type=float, help="as python -m serving's")
+    parser.add_argument(
+        "--drain-s", type=float, default=DRAIN_S,
+        help="on SIGTERM, report every replica down and give the requests in flight this long "
+        "to finish (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s [engine host] %(name)s: %(message)s",
-    )
+    args = parser.parse_args(argv)
     if args.name is not None and args.listen is None:
         parser.error("--as names an engine host on TCP: give --listen too")
     if args.listen is not None and args.link_token_file is None:
         parser.error("--listen needs --link-token-file: the engines take requests from the network")
     if args.listen is not None and isinstance(link_address(args.listen), str):
         parser.error(f"--listen: {args.listen!r} is not HOST:PORT")
+    return parser, args
+
+
+def main() -> int:
+    parser, args = parse_args()
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [engine host] %(name)s: %(message)s",
+    )
     try:
         token = read_link_token(args.link_token_file) if args.link_token_file else None
     except (OSError, ValueError) as exc:
@@ -397,7 +446,8 @@ def main() -> int:
                        f"host {name or 'this server'} (engine hosts named: {named})\n")  # fmt: skip
     if args.socket is not None:
         die_with_parent()  # started by `python -m serving --workers N`, it goes with it
-    asyncio.run(serve(ReplicaSet.from_deployment(mine), args.socket or args.listen, token))
+    where = args.socket or args.listen
+    asyncio.run(serve(ReplicaSet.from_deployment(mine), where, token, args.drain_s))
     return 0
 
 

@@ -154,6 +154,24 @@ class SharedAccounts:
         self._file.close()
 
 
+def share(limits: Limits, hosts: int) -> Limits:
+    """One front-end host's share of a key's limits, where `hosts` hosts admit its requests
+    apart (docs/multi-host.md): the rate divided evenly, the burst and the concurrency rounded
+    up, so that no host's share is 0. Over any span of T seconds the hosts together admit at
+    most burst + hosts - 1 + rate x T requests of the key, and hold at most concurrent +
+    hosts - 1 in flight; a key whose requests all land on one host gets only its share."""
+    if hosts <= 1:
+        return limits
+    rate, burst = limits.requests_per_s, limits.burst
+    if rate is not None and burst is None:
+        burst = max(1, math.ceil(rate))  # the whole key's default burst, then shared
+    return Limits(
+        requests_per_s=None if rate is None else rate / hosts,
+        burst=None if burst is None else math.ceil(burst / hosts),
+        concurrent=None if limits.concurrent is None else math.ceil(limits.concurrent / hosts),
+    )
+
+
 class KeyLimiter:
     def __init__(
         self, limits_of: Callable[[str | None], Limits], accounts: _Accounts | None = None
@@ -163,13 +181,21 @@ class KeyLimiter:
         self._limits_of = limits_of
         self._limits: dict[str | None, Limits] = {}
         self._accounts = accounts if accounts is not None else _LocalAccounts()
+        self.hosts = 1
+        """The front-end hosts that admit the keys' requests apart, each to its share."""
+
+    def set_hosts(self, hosts: int) -> None:
+        """From now on, admit this host's share of each key's limits among `hosts`."""
+        if hosts != self.hosts:
+            self.hosts = max(1, hosts)
+            self._limits.clear()
 
     def acquire(self, key: str | None, now: float) -> None:
         """Admit one request of `key` at `now`, or raise OverLimit. Each admitted request must
         be released exactly once, when it ends."""
         limits = self._limits.get(key)
         if limits is None:
-            limits = self._limits[key] = self._limits_of(key)
+            limits = self._limits[key] = share(self._limits_of(key), self.hosts)
         if limits.concurrent is None and limits.requests_per_s is None:
             self._accounts.hold(key, 1)  # nothing to check, nothing to lock
             return

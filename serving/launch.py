@@ -68,10 +68,12 @@ class Launched:
     h3_port: int | None = None
     """Its UDP port, where it serves HTTP/3."""
     tls: bool = False
+    host: str = "127.0.0.1"
+    """The address it serves on (a loopback address of its own, as a host of its own)."""
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -124,6 +126,7 @@ def launch(
     env: dict[str, str] | None = None,
     h3_port: int | None = None,
     cpus: set[int] | None = None,
+    host: str = "127.0.0.1",
 ) -> Launched:
     """Start `args` in the repository, its output to `log`, in a process group of its own, with
     `env` added to this process's environment and pinned to `cpus` (its children too). It is
@@ -139,4 +142,4 @@ def launch(
             start_new_session=True,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
-    return Launched(name, process, port, log, ready_path, h3_port)
+    return Launched(name, process, port, log, ready_path, h3_port, host=host)

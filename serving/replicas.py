@@ -273,6 +273,11 @@ class ReplicaSet:
             if isinstance(result, BaseException):
                 log.warning("%s: close failed: %r", replica.name, result)
 
+    def links(self) -> set[EngineLink]:
+        """The engine links its replicas' engine hosts are reached over, as of now."""
+        engines = [r.engine for r in self.replicas if isinstance(r.engine, LinkedEngine)]
+        return {link for engine in engines if (link := engine.link) is not None}
+
     def view(self, model: str | None = None, exclude: Collection[str] = ()) -> ClusterView:
         """The live state. With `model`, only that model's replicas count as available; replicas
         named in `exclude` never do."""

@@ -349,3 +349,24 @@ def test_an_engine_host_name_with_hosts_behind_it_is_a_slot_per_host(tmp_path: P
     entries[1]["hosts"] = 3
     with pytest.raises(ConfigError, match="the same hosts"):
         load_deployment(write_test_config(tmp_path, fleet=(entries, twin)), "fleet")
+
+
+def test_a_models_yaml_extends_another_with_its_own_placements_and_deployments(
+    tmp_path: Path,
+) -> None:
+    """A site's file over the shipped one: its sections add to the shipped ones name by name,
+    its other keys replace theirs, and relative paths stay the shipped file's."""
+    shipped = ROOT / "models.yaml"
+    mine = {"placement": "one", "profile": "embedded-measured", "engine": "simulated",
+            "simulation": {"tokenizer": "tiny-s"}, "quality_file": "quality/embedded.yaml",
+            "policy": {"name": "dqn", "path": "router/trained/embedded.npz"}}  # fmt: skip
+    site = {"extends": str(shipped), "default_deployment": "mine", "deployments": {"mine": mine},
+            "placements": {"one": [{"model": "tiny-s", "device": "cpu"}]}}  # fmt: skip
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
+    loaded = load_deployment(tmp_path / "site.yaml")
+    assert loaded.name == "mine" and [r.name for r in loaded.replicas] == ["cpu/tiny-s"]
+    assert loaded.policy.path == str(ROOT / "router" / "trained" / "embedded.npz")
+    assert load_deployment(tmp_path / "site.yaml", "paper-4gpu-sim").models  # the shipped ones
+    (tmp_path / "loop.yaml").write_text(yaml.safe_dump({"extends": "loop.yaml"}))
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_deployment(tmp_path / "loop.yaml")

@@ -122,6 +122,22 @@ async def test_closing_a_stream_early_frees_the_hosts_slot(hosted: Hosted) -> No
     await linked.close()
 
 
+async def test_a_draining_host_reports_down_and_finishes_what_it_serves(hosted: Hosted) -> None:
+    """SIGTERM's drain (a pod leaving its Service): the front-ends stop sending at the next
+    load report, and the requests in flight run to their end."""
+    linked = hosted.linked()
+    await linked.start()
+    streaming = asyncio.create_task(collect(linked, request("long", 300), EXACT))
+    await until(lambda: hosted.host.in_flight == 1, "the request to start")
+    draining = asyncio.create_task(hosted.host.drain(30))
+    await until(lambda: not linked.healthy(), "the report that the replica is down")
+    assert not draining.done()
+    deltas = await streaming
+    assert sum(d.tokens for d in deltas) == 300 and deltas[-1].finish_reason == "length"
+    await asyncio.wait_for(draining, 5)
+    await linked.close()
+
+
 async def test_each_link_sees_the_load_the_others_put_on_a_replica(hosted: Hosted) -> None:
     mine, other = hosted.linked(), hosted.linked()
     await mine.start()

@@ -3,6 +3,8 @@ the embedded deployment's twin: limits are the front door's, whatever the engine
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
@@ -49,6 +51,46 @@ def test_concurrency_counts_requests_until_released() -> None:
     keys.release("k")
     keys.acquire("k", now=0.0)
     keys.release("never-seen")  # harmless
+
+
+def admitted(keys: KeyLimiter, times: list[float]) -> int:
+    """How many of a stream of requests of key k, arriving at `times`, are let in."""
+    count = 0
+    for now in times:
+        try:
+            keys.acquire("k", now)
+        except OverLimit:
+            continue
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("hosts", [2, 3, 5])
+@pytest.mark.parametrize(
+    "limits", [{"requests_per_s": 2.0, "burst": 3}, {"requests_per_s": 0.5}, {"concurrent": 4}]
+)
+def test_hosts_sharing_a_key_admit_no_more_than_the_stated_bound(
+    hosts: int, limits: dict[str, float]
+) -> None:
+    """Each of `hosts` front-end hosts admits its share: a storm of the key's requests on every
+    host at once, for 10 s, lets in at most burst + hosts - 1 + rate x 10 requests over all
+    (concurrent + hosts - 1 in flight), and every host lets some in."""
+    fleet = [limiter(**limits) for _ in range(hosts)]
+    for keys in fleet:
+        keys.set_hosts(hosts)
+    storm = [i / 100 for i in range(1000)]  # 100 requests a second at each host, none ending
+    each = [admitted(keys, storm) for keys in fleet]
+    assert min(each) >= 1
+    whole = Limits(**limits)  # type: ignore[arg-type]
+    if whole.concurrent is not None:
+        assert sum(each) <= whole.concurrent + hosts - 1
+    else:
+        assert whole.requests_per_s is not None
+        burst = whole.burst or max(1, math.ceil(whole.requests_per_s))
+        assert sum(each) <= burst + hosts - 1 + whole.requests_per_s * 10
+    # One host alone would let in the whole key's worth: what the share is for.
+    alone = admitted(limiter(**limits), storm)
+    assert sum(each) < alone * hosts
 
 
 def _chat(server: Server, key: str | None, **extra: object) -> httpx.Response:

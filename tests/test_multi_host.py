@@ -5,6 +5,7 @@ sockets: only the addresses stand in for hosts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -17,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.dnsmasq import Dnsmasq
 from serving.launch import Launched, free_port, launch
-from tests.support.dns import Dnsmasq
-from tests.support.servers import serving_command, write_test_config
+from tests.support.servers import METERED_KEY, serving_command, write_test_config
 from tests.support.tiers import starts
 
 TOKEN = "the-fleets-link-token-0123456789"
@@ -235,3 +236,46 @@ def test_a_front_end_finds_hosts_through_dns_and_lets_one_that_left_finish(
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         wait_for(server, f"engine link to 127.0.0.2:{port} closed")
         assert "lost" not in server.tail(400).split("(slot 0): it finishes")[-1]
+
+
+@pytest.fixture
+@starts("multihost")
+def dns(tmp_path: Path) -> Iterator[Dnsmasq]:
+    server = Dnsmasq(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_front_end_hosts_share_a_keys_limits_by_their_count_in_dns(
+    dns: Dnsmasq, tmp_path: Path
+) -> None:
+    """METERED_KEY may send bursts of 2 (at 0.01 req/s). Two front-end hosts behind one name
+    each admit half: a storm of its requests on both lets in at most 2 + 2 - 1 = 3 (the bound
+    `serving.key_limits.share` states), where the two alone would let in 4."""
+    hosts = ("127.0.0.4", "127.0.0.5")
+    dns.set("front-ends.fleet.test", *hosts)
+    config = write_test_config(tmp_path)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for host in hosts:
+            port = free_port()
+            command = serving_command(config, "embedded-sim", port, "--host", host,
+                                      "--h3-port", "0", "--front-ends", "front-ends.fleet.test",
+                                      "--dns-server", dns.server)  # fmt: skip
+            started = launch(f"front-end {host}", command, port, "/readyz",
+                             tmp_path / f"{host}.log", host=host)  # fmt: skip
+            servers.append(stack.enter_context(started))
+        for server in servers:
+            server.ready(60)
+            wait_for(server, "2 front-end hosts behind front-ends.fleet.test", 10)
+        headers = {"authorization": f"Bearer {METERED_KEY}"}
+        body = {"model": "tiny-s", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hello"}]}  # fmt: skip
+        codes = [[httpx.post(s.url + "/v1/chat/completions", json=body, headers=headers,
+                             timeout=30).status_code for _ in range(4)]
+                 for s in servers]  # fmt: skip
+    admitted = [c.count(200) for c in codes]
+    assert all(set(c) <= {200, 429} for c in codes), codes
+    assert sum(admitted) <= 3 and min(admitted) >= 1, codes

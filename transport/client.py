@@ -11,10 +11,11 @@ fetches one URL.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -461,17 +462,33 @@ class Http3Pool:
     reopened for the next request.
 
     Connections are named `slot.generation`: "3.0" is the fourth slot's first connection, "3.1"
-    the one that replaced it."""
+    the one that replaced it.
 
-    def __init__(self, host: str, port: int, connections: int = 1, **kwargs: Any) -> None:
+    `others`: more addresses of the same service (front-end hosts behind one name): slot i
+    connects to the (i mod n)-th address, and requests go to the addresses in turn, as a
+    client's DNS round robin or a load balancer spreads them."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        connections: int = 1,
+        others: Sequence[tuple[str, int]] = (),
+        **kwargs: Any,
+    ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, got {connections}")
         self.host, self.port = host, port
+        self.addresses = [(host, port), *others]
+        if connections < len(self.addresses):
+            raise ValueError(f"{connections} connections cannot reach {len(self.addresses)} "
+                             "addresses")  # fmt: skip
         self._kwargs = kwargs
         self.connections = connections
         self.clients: list[Http3Client] = []
         self._opened = [0] * connections
         self._lock = asyncio.Lock()
+        self._turn = itertools.count()
 
     async def __aenter__(self) -> Http3Pool:
         opened = await asyncio.gather(
@@ -501,12 +518,15 @@ class Http3Pool:
                     if not client.is_open:
                         await client.__aexit__(None, None, None)
                         self.clients[slot] = await self._open(slot)
-        return max(self.clients, key=lambda client: client.stream_credit)
+        clients = self.clients
+        if len(self.addresses) > 1:
+            where = next(self._turn) % len(self.addresses)
+            clients = clients[where :: len(self.addresses)]
+        return max(clients, key=lambda client: client.stream_credit)
 
     async def _open(self, slot: int) -> Http3Client:
-        fresh = Http3Client(
-            self.host, self.port, name=f"{slot}.{self._opened[slot]}", **self._kwargs
-        )
+        host, port = self.addresses[slot % len(self.addresses)]
+        fresh = Http3Client(host, port, name=f"{slot}.{self._opened[slot]}", **self._kwargs)
         self._opened[slot] += 1
         await asyncio.wait_for(fresh.__aenter__(), timeout=10)
         return fresh

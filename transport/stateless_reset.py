@@ -60,6 +60,8 @@ client needs one, so a worker that held a thousand connections has them all told
 second, and a flood of packets for unknown connections costs at most that: an HMAC and a
 small send each, about 1% of a core."""
 MIN_KEY_BYTES = 16
+PLACEHOLDER = b"replace-me"
+"""How deploy/kubernetes/secrets.yaml's values begin: refused, so that no fleet runs on them."""
 REFUSED_REASON = b"worker restarting: connect again"
 
 
@@ -75,6 +77,8 @@ class ResetKey:
                 f"a stateless-reset key needs at least {MIN_KEY_BYTES} bytes, "
                 f"got {len(self.secret)}"
             )
+        if self.secret.startswith(PLACEHOLDER):
+            raise ValueError("the stateless-reset key is still the manifests' placeholder")
 
     def token(self, cid: bytes) -> bytes:
         return hmac.digest(self.secret, cid, "sha256")[:TOKEN_SIZE]

@@ -142,11 +142,12 @@ class Client:
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[Client]:
-        verify: bool | str = self.args.cacert or not self.args.insecure
+        verify: bool | str = not self.args.insecure and (self.args.cacert or True)
         if self.args.proto == "h3":
             host, port = split_url(self.args.url)
+            others = [split_url(url) for url in self.args.also_url]
             async with Http3Pool(
-                host, port, self.args.connections, verify=verify,
+                host, port, self.args.connections, others, verify=verify,
                 scheduler=self.args.scheduler, congestion_control=self.args.congestion_control,
             ) as self.h3:  # fmt: skip
                 if self.args.deployment is None:
@@ -592,6 +593,14 @@ def parser() -> argparse.ArgumentParser:
     )
     net.add_argument("--congestion-control", choices=["reno", "cubic"], default="reno", help="h3's")
     net.add_argument(
+        "--also-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="h3: another address of the same service (a second front-end host); the "
+        "connections spread evenly over --url and these, and requests go to each in turn",
+    )
+    net.add_argument(
         "--connections",
         type=int,
         default=1,
@@ -729,6 +738,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.h2_streams < 1:
         print("error: --h2-streams must be at least 1", file=sys.stderr)
+        return 2
+    if args.also_url and (args.proto != "h3" or args.connections < 1 + len(args.also_url)):
+        print("error: --also-url is for --proto h3, with a --connections per address at least",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.connection_per_request and args.proto != "h1":
         print("error: --connection-per-request is for --proto h1", file=sys.stderr)

@@ -13,8 +13,9 @@ that a worker's router sees what the other workers put there.
 Frames are msgpack arrays, each after its length (4 bytes, big-endian):
 
 - worker to host: first `["hello", token]` (its link token, or None), which a host with a
-  token checks; then `["add", request, replica, sampling]` (the `asdict` forms) and
-  `["abort", request_id]`;
+  token checks; then `["add", request, replica, sampling]` (the `asdict` forms),
+  `["abort", request_id]`, and `["rate", sender, level]` (its arrival rate's level, which the
+  host passes on to every other front-end, as `["rate", sender, level]`: `serving.fleet_rate`);
 - host to worker: `["out", [[request_id, text, tokens, prompt_tokens, finish_reason, extra],
   ...]]` (`extra`: None, or a delta's logprobs, echo and cached tokens as a map),
   `["end", request_id]` once the engine is done with a request, `["error", request_id, kind,
@@ -55,6 +56,7 @@ from serving.engines.base import (
     UpstreamLoad,
     UpstreamLost,
 )
+from transport.stateless_reset import PLACEHOLDER
 from workloads import Request
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ def read_link_token(path: str) -> str:
     token = Path(path).read_text(encoding="utf-8").strip()
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{path}: a link token needs {MIN_TOKEN_CHARS} characters or more")
+    if token.startswith(PLACEHOLDER.decode()):
+        raise ValueError(f"{path}: the link token is still the manifests' placeholder")
     return token
 
 
@@ -182,11 +186,15 @@ class EngineLink(asyncio.Protocol):
         self, address: str, token: str | None = None, on_lost: Callable[[], None] | None = None
     ) -> None:
         self.path = address
+        self.remote = not isinstance(link_address(address), str)
+        """On another host (TCP), not this server's own engine host."""
         self._token = token
         self._on_lost = on_lost
         self._heard_at = 0.0
         self._closed = False
         """Closed here, on purpose: its end is no loss."""
+        self.on_rate: Callable[[str, float], None] | None = None
+        """Hears another front-end's arrival-rate level, which the host passed on."""
         self._refused: str | None = None
         self._transport: asyncio.Transport | None = None
         self._reader = FrameReader(self._on_frame)
@@ -200,11 +208,6 @@ class EngineLink(asyncio.Protocol):
     def refused(self) -> str | None:
         """Why the host last refused this front-end (its token); None if it did not."""
         return self._refused
-
-    @property
-    def remote(self) -> bool:
-        """On another host (TCP), not this server's own engine host."""
-        return not isinstance(link_address(self.path), str)
 
     @property
     def connected(self) -> bool:
@@ -303,6 +306,9 @@ class EngineLink(asyncio.Protocol):
             self._load_at = time.monotonic()
             if self._reported is not None:
                 self._reported.set()
+        elif kind == "rate":
+            if self.on_rate is not None:
+                self.on_rate(str(message[1]), float(message[2]))
         elif kind == "refused":
             self._refused = str(message[1])
             if self._reported is not None:

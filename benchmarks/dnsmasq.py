@@ -1,6 +1,6 @@
-"""A real DNS server for the multi-host tests: dnsmasq (`scripts/setup.sh` installs it from apt),
-answering for names whose addresses a test sets, as a Kubernetes headless Service's name lists
-its ready pods."""
+"""A real DNS server for the multi-host tests and benchmarks: dnsmasq (`scripts/setup.sh`
+installs it from apt), answering for names whose addresses the caller sets, as a Kubernetes
+headless Service's name lists its ready pods."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from serving.launch import free_port
 
 
@@ -23,8 +21,10 @@ class Dnsmasq:
     def __init__(self, folder: Path) -> None:
         binary = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
         if not Path(binary).exists():
-            pytest.fail("no dnsmasq: scripts/setup.sh installs it (apt-get install dnsmasq-base)")
-        self.hosts = folder / "hosts"
+            raise RuntimeError("no dnsmasq: scripts/setup.sh installs it (apt-get install "
+                               "dnsmasq-base)")  # fmt: skip
+        # Absolute: dnsmasq runs from / once started, and reads the file again from there.
+        self.hosts = (folder / "hosts").resolve()
         self.hosts.write_text("")
         self.port = free_port()
         # --local: it answers for .test itself (no such name), where it would say REFUSED.
@@ -41,7 +41,7 @@ class Dnsmasq:
         while not self._answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"dnsmasq did not start: {self.process.stderr.read()!r}")  # type: ignore[union-attr]
+                raise RuntimeError(f"dnsmasq did not start: {self.process.stderr.read()!r}")  # type: ignore[union-attr]
             time.sleep(0.05)
 
     @property
