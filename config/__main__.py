@@ -4,7 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from config.deployment import DEFAULT_PATH, ConfigError, load, resolve
+from config.deployment import DEFAULT_PATH, ConfigError, load_with_base, resolve
 
 
 def main() -> int:
@@ -13,9 +13,9 @@ def main() -> int:
     args = parser.parse_args()
     path = Path(args.path).resolve()
     try:
-        spec = load(path)
+        spec, base_dir = load_with_base(path)
         for name in spec.deployments:
-            dep = resolve(spec, name, path.parent)
+            dep = resolve(spec, name, base_dir)
             engines = ", simulated engines" if dep.simulation else ""
             paths = f", clients on path mix {dep.path_mix}" if dep.path_mix else ""
             print(f"{name}: {len(dep.replicas)} replicas, policy {dep.policy.name}{engines}{paths}")

@@ -276,7 +276,7 @@ class Deployment:
 
 
 def load(path: str | Path = DEFAULT_PATH) -> ModelsFile:
-    return _load(Path(path))[0]
+    return load_with_base(Path(path))[0]
 
 
 EXTENDED = frozenset(
@@ -286,7 +286,7 @@ EXTENDED = frozenset(
 the others whole."""
 
 
-def _load(path: Path) -> tuple[ModelsFile, Path]:
+def load_with_base(path: Path) -> tuple[ModelsFile, Path]:
     """models.yaml at `path`, on top of the file it `extends` (a site's own placements and
     deployments over the shipped ones: a Kubernetes ConfigMap); and the folder relative paths
     resolve against: the extended file's (the shipped one's), whose model, policy and quality
@@ -463,7 +463,7 @@ def load_deployment(
 ) -> Deployment:
     """Deployment `name` of models.yaml at `path`; with `paths`, its clients on that path mix
     instead of the one it names."""
-    spec, base_dir = _load(Path(path).resolve())
+    spec, base_dir = load_with_base(Path(path).resolve())
     deployment = resolve(spec, name, base_dir)
     if paths is None:
         return deployment
@@ -629,7 +629,7 @@ def deployment_serving(path: str | Path, models: Collection[str]) -> Deployment:
     several do, their quality tables must agree, since a load generator scores answers with it.
     Raises ConfigError saying why where none does, or where those that do disagree."""
     path = Path(path).resolve()
-    spec, base_dir = _load(path)
+    spec, base_dir = load_with_base(path)
     serving, unreadable = [], []
     for name in sorted(spec.deployments, key=lambda name: name != spec.default_deployment):
         try:

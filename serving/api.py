@@ -115,7 +115,7 @@ def create_app(
         replicas = {r.name: r.engine.healthy() for r in gateway.replicas}
         down = [name for name, up in replicas.items() if not up]
         fleet = {r.name for r in gateway.replicas if r.config.engine_host is not None}
-        unready = any(name not in fleet for name in down) or (fleet and len(down) == len(replicas))
+        unready = any(n not in fleet for n in down) or bool(fleet) and fleet <= set(down)
         draining = drain is not None and drain.draining
         status = "draining" if draining else "unready" if unready else "ready"
         return JSONResponse(

@@ -7,11 +7,18 @@ or not a host fills them (an empty one is down), because a trained policy reads 
 fixed size. Every RESOLVE_S, and at once when a link is lost, the front-end resolves NAME:
 
 - an address that is new takes the first free slot, and is connected to;
-- a slot whose address left is freed at once, so it takes no new request, while its link stays
-  open until the requests on it have ended: a host removed from DNS while it serves (a pod that
-  is terminating, a scale-down) finishes them;
+- a slot whose address left is freed, so it takes no new request, while its link stays open
+  until the requests on it have ended: a host removed from DNS while it serves (a pod that is
+  terminating, a scale-down) finishes them. A host whose link still answers is freed only once
+  two answers in a row leave it out (MISSED_ANSWERS), so that one spurious "no such name" (a
+  DNS server restarting) does not take the fleet out; one whose link is lost, at once;
 - an answer that fails (a timeout, a server that is down) changes nothing: a DNS outage is not a
   fleet outage.
+
+Every worker of a front-end host keeps its own slots, filled in the order it saw the hosts, so
+two workers may hold one host in different slots: the workers' shared counts (by slot) are not
+read for slotted replicas, whose engine hosts report every front-end's requests anyway
+(`serving.replicas.ReplicaSet`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 
+from serving.engines.base import EngineUnavailable
 from serving.engines.engine_link import EngineLink, HostSlot, link_address
 
 log = logging.getLogger(__name__)
@@ -30,6 +38,8 @@ RESOLVE_S = 2.0
 """How often the names are resolved again: with Kubernetes' DNS (CoreDNS answers with a TTL of
 5 s), a host that became ready is routed to within about 7 s."""
 RESOLVE_TIMEOUT_S = 2.0
+MISSED_ANSWERS = 2
+"""Answers in a row that must leave out a host whose link still answers before it is let go."""
 
 Resolve = Callable[[str], Awaitable[list[str] | None]]
 """A name's addresses, sorted; None where the answer failed (and says nothing of the hosts)."""
@@ -96,7 +106,9 @@ class Discovery:
         self.resolve = resolve
         self.period_s = period_s
         self._held: dict[str, HostSlot] = {}
+        self._missed: dict[str, int] = {}
         self._draining: list[EngineLink] = []
+        self._connecting: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._full_said = False
         self._empty_said = False
@@ -118,26 +130,47 @@ class Discovery:
                 async with asyncio.timeout(self.period_s):
                     await self._wake.wait()
             self._wake.clear()
-            await self.refresh()
+            await self.refresh(wait=False)
 
-    async def refresh(self) -> None:
-        """Resolve once; fill and free the slots by the answer; connect to the newcomers."""
+    async def refresh(self, wait: bool = True) -> None:
+        """Resolve once; fill and free the slots by the answer; connect to the newcomers (and,
+        with `wait`, wait for them: at start, so that the server starts with its hosts)."""
         answer = await self.resolve(self.name)
         if answer is not None:
             if not answer and not self._empty_said:  # once, until an address comes back
                 log.warning("DNS has no address for %s: no engine host behind it", self.name)
             self._empty_said = not answer
         joined = [] if answer is None else self.update(answer)
-        for link in [link for link in self._draining if not link.in_flight]:
-            link.close()
+        # `connected` first: a host that left DNS and then went silent is found lost here too.
+        for link in [link for link in self._draining if not link.connected or not link.in_flight]:
+            link.retire()
             self._draining.remove(link)
-        await asyncio.gather(*(link.connect() for link in joined), return_exceptions=True)
+        connects = [asyncio.create_task(self._connect(link)) for link in joined]
+        if wait:
+            await asyncio.gather(*connects)
+        else:  # a host that does not answer must not hold up the next resolve
+            self._connecting.update(connects)
+            for task in connects:
+                task.add_done_callback(self._connecting.discard)
+
+    @staticmethod
+    async def _connect(link: EngineLink) -> None:
+        with contextlib.suppress(EngineUnavailable):  # the supervisor tries again
+            await link.connect()
 
     def update(self, found: list[str]) -> list[EngineLink]:
         """Take `found`, the name's addresses, as the hosts; the links of those that joined."""
         addresses = [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}"
                      for a in sorted(found)]  # fmt: skip
-        for address in [a for a in self._held if a not in addresses]:
+        for address in list(self._held):
+            if address in addresses:
+                self._missed.pop(address, None)
+                continue
+            missed = self._missed[address] = self._missed.get(address, 0) + 1
+            link = self._held[address].link
+            if missed < MISSED_ANSWERS and link is not None and link.connected:
+                continue
+            self._missed.pop(address, None)
             slot = self._held.pop(address)
             assert slot.link is not None
             log.info("engine host %s left %s (slot %d): it finishes its %d requests in flight",
@@ -165,8 +198,10 @@ class Discovery:
 
     def close(self) -> None:
         """Close the links of the hosts that left (the slots' close with their engines)."""
+        for task in self._connecting:
+            task.cancel()
         for link in self._draining:
-            link.close()
+            link.retire()
         self._draining.clear()
 
 

@@ -49,7 +49,9 @@ from serving.engines.engine_link import (
     FrameReader,
     delta_row,
     frame,
+    keep_alive,
     link_address,
+    rate_frame,
     read_link_token,
 )
 from serving.replicas import Replica, ReplicaSet
@@ -91,6 +93,8 @@ class _Worker(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "the Unix socket"
+        if isinstance(peer, tuple):  # a front-end whose node vanishes is let go in ~10 s
+            keep_alive(transport)
         if self.host.token is None:
             self._welcome()
         else:
@@ -161,7 +165,7 @@ class _Worker(asyncio.Protocol):
             self.tasks[request.request_id] = asyncio.get_running_loop().create_task(serving)
         elif message[0] == "abort" and (aborted := self.tasks.get(message[1])) is not None:
             aborted.cancel()
-        elif message[0] == "rate":
+        elif message[0] == "rate" and rate_frame(message) is not None:
             self.host.pass_on(self, message)
 
     async def _serve(self, request: Any, name: str, sampling: Sampling) -> None:

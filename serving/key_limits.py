@@ -205,7 +205,7 @@ class KeyLimiter:
                 raise OverLimit(
                     CONCURRENT,
                     1,  # when a request of the key ends is unknown; a second is a fair wait
-                    f"This key has {in_flight} requests in flight, its limit. "
+                    f"This key has {in_flight} requests in flight, its limit{self._here()}. "
                     "Retry when one has finished.",
                 )
             if limits.requests_per_s is not None:
@@ -220,10 +220,14 @@ class KeyLimiter:
                         RATE,
                         max(1, math.ceil(wait)),
                         f"This key may send {rate:g} requests per second "
-                        f"(bursts of {burst:g}). Retry in {wait:.1f} s.",
+                        f"(bursts of {burst:g}){self._here()}. Retry in {wait:.1f} s.",
                     )
                 self._accounts.set_bucket(key, tokens - 1.0, now)
             self._accounts.hold(key, 1)
 
     def release(self, key: str | None) -> None:
         self._accounts.hold(key, -1)
+
+    def _here(self) -> str:
+        """Where the limit said is a share: so that a client is not told its key's is less."""
+        return "" if self.hosts == 1 else f" here, one of {self.hosts} front-end hosts"

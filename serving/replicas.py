@@ -295,7 +295,10 @@ class ReplicaSet:
         available = r.engine.healthy() and model in (None, r.model) and r.name not in exclude
         running, owed = r.running, r.owed
         shared_running = shared_owed = 0
-        if self._others is not None:
+        # Not for a slot of hosts found through DNS: each worker fills its slots in the order it
+        # saw the hosts, so another worker's row for this index may be another host's. Their
+        # requests are in the engine host's report instead, one report old.
+        if self._others is not None and r.config.slot is None:
             shared_running, _, shared_owed = self._others(index)
         load = r.engine.load()
         if load is None or load.stale:

@@ -62,6 +62,16 @@ async def test_levels_cross_an_engine_host_to_the_other_front_ends(tmp_path: Pat
                     await asyncio.sleep(0.05)
             assert hosts["b"].value(hosts["b"].clock()) == pytest.approx(own, rel=0.05)
             assert hosts["a"].others(hosts["a"].clock()) == 0.0  # b sent nothing but 0s
+            # A frame of another shape (a front-end of another version) is not passed on, and
+            # takes no link down.
+            for bad in (["rate", "c/0"], ["rate", "c/0", float("nan")], ["rate", 7, 1.0]):
+                links["a"].send(bad)
+            links["a"].send(["rate", "c/0", 5.0])  # a well-formed one is: b hears c's 5 req/s
+            async with asyncio.timeout(5):
+                while hosts["b"].others(hosts["b"].clock()) < own + 4.9:
+                    await asyncio.sleep(0.02)
+            assert hosts["b"].others(hosts["b"].clock()) == pytest.approx(own + 5.0, rel=0.02)
+            assert all(link.connected for link in links.values())
         finally:
             for task in tasks:
                 task.cancel()

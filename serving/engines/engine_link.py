@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -98,6 +100,37 @@ def link_address(address: str) -> tuple[str, int] | str:
         return address
     return host.removeprefix("[").removesuffix("]"), int(port)
 
+
+def rate_frame(message: list[Any]) -> tuple[str, float] | None:
+    """A `["rate", sender, level]` frame's sender and level; None where it is not one (a
+    front-end of another version): passed on and heard only where well formed."""
+    if len(message) != 3 or not isinstance(message[1], str):
+        return None
+    level = message[2]
+    if isinstance(level, bool) or not isinstance(level, int | float):
+        return None
+    if not math.isfinite(level) or level < 0:
+        return None
+    return message[1], float(level)
+
+
+def keep_alive(transport: asyncio.BaseTransport) -> None:
+    """TCP keepalive on a link's socket, probing after KEEPALIVE_S of quiet, and a user timeout
+    for data left unacknowledged as long: a peer whose node vanished (no FIN) is let go by the
+    kernel in about twice that, on either side, whatever the link carries (a host that goes on
+    writing heartbeats to a dead front-end too)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", 1),
+                          ("TCP_KEEPCNT", KEEPALIVE_S),
+                          ("TCP_USER_TIMEOUT", 2 * KEEPALIVE_S * 1000)):  # fmt: skip
+        if hasattr(socket, option):  # Linux's names
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+KEEPALIVE_S = 5
 
 _LENGTH = struct.Struct(">I")
 _encode = msgspec.msgpack.Encoder().encode
@@ -193,6 +226,8 @@ class EngineLink(asyncio.Protocol):
         self._heard_at = 0.0
         self._closed = False
         """Closed here, on purpose: its end is no loss."""
+        self._retired = False
+        """Closed for good (a host that left DNS): never connected again."""
         self.on_rate: Callable[[str, float], None] | None = None
         """Hears another front-end's arrival-rate level, which the host passed on."""
         self._refused: str | None = None
@@ -233,18 +268,23 @@ class EngineLink(asyncio.Protocol):
         async with self._connecting:
             if self.connected:
                 return
+            if self._retired:
+                raise EngineUnavailable(f"the link to {self.path} is closed for good")
             loop = asyncio.get_running_loop()
             self._reported = asyncio.Event()
             self._refused = None
             self._closed = False
             where = link_address(self.path)
             try:
-                if isinstance(where, str):
-                    await loop.create_unix_connection(lambda: self, where)
-                else:
-                    await loop.create_connection(lambda: self, *where)
-                # The host reports its replicas at once: until then none looks healthy.
+                # One bound for the connect and the first report: an address that drops packets
+                # (a dead node's, still in DNS) would hold a bare connect for the kernel's two
+                # minutes of SYN retries.
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    if isinstance(where, str):
+                        await loop.create_unix_connection(lambda: self, where)
+                    else:
+                        await loop.create_connection(lambda: self, *where)
+                    # The host reports its replicas at once: until then none looks healthy.
                     await self._reported.wait()
             except (OSError, TimeoutError) as exc:
                 self.close()
@@ -264,6 +304,11 @@ class EngineLink(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
         self._reader = FrameReader(self._on_frame)
         self._heard_at = time.monotonic()
+        if self._retired:  # retired while it connected: not wanted any more
+            self._transport.close()
+            return
+        if self.remote:
+            keep_alive(self._transport)
         self._transport.write(frame(["hello", self._token]))  # None where it has none
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -307,8 +352,8 @@ class EngineLink(asyncio.Protocol):
             if self._reported is not None:
                 self._reported.set()
         elif kind == "rate":
-            if self.on_rate is not None:
-                self.on_rate(str(message[1]), float(message[2]))
+            if self.on_rate is not None and (rate := rate_frame(message)) is not None:
+                self.on_rate(*rate)
         elif kind == "refused":
             self._refused = str(message[1])
             if self._reported is not None:
@@ -351,6 +396,11 @@ class EngineLink(asyncio.Protocol):
         self._closed = True
         if self._transport is not None:
             self._transport.close()
+
+    def retire(self) -> None:
+        """Close, and never connect again (a connect under way fails)."""
+        self._retired = True
+        self.close()
 
 
 def _error(kind: str, text: str, param: str | None, code: str | None) -> Exception:
