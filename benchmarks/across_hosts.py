@@ -30,14 +30,13 @@ import argparse
 import contextlib
 import socket
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import yaml
 from tqdm import tqdm
 
+from benchmarks.common import placed_anew
 from config import DEFAULT_PATH, Deployment, load_deployment
 from experiments.harness import live
 from experiments.harness.output import write_csv
@@ -72,18 +71,7 @@ def split_config(folder: Path, config: Path, deployment: str, port: int) -> Path
         half = len(devices) // 2
         for host, mine in zip(ENGINE_HOSTS, (devices[:half], devices[half:]), strict=True):
             entries.append({"model": model, "devices": mine, "engine_host": f"{host}:{port}"})
-    spec = yaml.safe_load(config.read_text())["deployments"][deployment]
-    split = {**spec, "placement": "two-hosts"}
-    overlay = {"extends": str(config.resolve()), "placements": {"two-hosts": entries},
-               "deployments": {"two-hosts": split}}  # fmt: skip
-    path = folder / "two-hosts.yaml"
-    path.write_text(yaml.safe_dump(overlay, sort_keys=False))
-    return path
-
-
-def _answers(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex((host, port)) == 0
+    return placed_anew(folder, config, deployment, "two-hosts", entries)
 
 
 @contextlib.contextmanager
@@ -101,14 +89,10 @@ def two_hosts(
             command = [sys.executable, "-m", "serving.engine_host", "--config", str(split),
                        "--deployment", "two-hosts", "--listen", f"{host}:{port}",
                        "--link-token-file", str(token)]  # fmt: skip
-            started = launch(f"engine host {host}", command, port, "", folder / f"{host}.log")
+            started = launch(f"engine host {host}", command, port, "", folder / f"{host}.log",
+                             host=host)  # fmt: skip
             stack.enter_context(started)
-            engines.append(started)
-            deadline = time.monotonic() + 120
-            while not _answers(host, port):
-                if started.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"engine host {host} did not start:\n{started.tail()}")
-                time.sleep(0.1)
+            engines.append(started.listening())
         front_ends, pids = [], [launched.pid for launched in engines]
         for host in FRONT_ENDS:
             tcp, udp = free_port(), free_port(socket.SOCK_DGRAM)

@@ -34,6 +34,19 @@ ASKED = "opt-125m"
 peers pass it through."""
 
 
+def placed_anew(
+    folder: Path, config: Path, deployment: str, name: str, entries: list[dict]
+) -> Path:
+    """models.yaml at `folder`, extending `config` with deployment `name`: `deployment` as it
+    is but for its placement, which is `entries` (placed over hosts, say)."""
+    spec = yaml.safe_load(config.read_text())["deployments"][deployment]
+    overlay = {"extends": str(config.resolve()), "placements": {name: entries},
+               "deployments": {name: {**spec, "placement": name}}}  # fmt: skip
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return path
+
+
 def remote_config(
     folder: Path, urls: list[str], model: str = "opt-125m", served: str = MODEL,
     name: str = "bench-upstreams", each: Sequence[dict] = (), tokenizer: Path | None = None,

@@ -42,9 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import yaml
-
-from benchmarks.common import server_counts
+from benchmarks.common import placed_anew, server_counts
 from benchmarks.dnsmasq import Dnsmasq
 from config import DEFAULT_PATH, load_deployment
 from experiments.harness import live
@@ -68,17 +66,7 @@ def fleet_config(folder: Path, config: Path, deployment: str, port: int) -> Path
         devices = [r.device for r in shipped.replicas if r.model == model]
         entries.append({"model": model, "devices": devices[: len(devices) // 2],
                         "engine_host": f"{NAME}:{port}", "hosts": len(ENGINE_HOSTS)})  # fmt: skip
-    spec = yaml.safe_load(config.read_text())["deployments"][deployment]
-    overlay = {"extends": str(config.resolve()), "placements": {"fleet": entries},
-               "deployments": {"fleet": {**spec, "placement": "fleet"}}}  # fmt: skip
-    path = folder / "fleet.yaml"
-    path.write_text(yaml.safe_dump(overlay, sort_keys=False))
-    return path
-
-
-def _answers(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex((host, port)) == 0
+    return placed_anew(folder, config, deployment, "fleet", entries)
 
 
 @dataclass
@@ -98,14 +86,8 @@ class Fleet:
                    "--as", f"{NAME}:{self.port}", "--link-token-file",
                    str(self.folder / "link-token")]  # fmt: skip
         log = self.folder / f"engines-{host}-{len(self.engines)}.log"
-        self.engines[host] = launch(f"engine host {host}", command, self.port, "", log)
-        deadline = time.monotonic() + 120
-        while not _answers(host, self.port):
-            if self.engines[host].process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"engine host {host} did not start:\n{self.engines[host].tail()}"
-                )
-            time.sleep(0.05)
+        started = launch(f"engine host {host}", command, self.port, "", log, host=host)
+        self.engines[host] = started.listening()
         return time.time()
 
 

@@ -96,6 +96,21 @@ class Launched:
                 tick()
             time.sleep(0.5)
 
+    def listening(self, timeout_s: float = 120.0) -> Launched:
+        """Wait until its TCP port takes connections at its host (a server with no HTTP, such
+        as an engine host, which listens once its engines run); raises NotReady as `ready`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise NotReady(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+            with socket.socket() as probe:
+                probe.settimeout(1)
+                if probe.connect_ex((self.host, self.port)) == 0:
+                    return self
+            if time.monotonic() > deadline:
+                raise NotReady(f"{self.name} not listening after {timeout_s:g} s:\n{self.tail()}")
+            time.sleep(0.05)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 

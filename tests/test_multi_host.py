@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from benchmarks.dnsmasq import Dnsmasq
-from serving.launch import Launched, free_port, launch
+from serving.launch import Launched, NotReady, free_port, launch
 from tests.support.servers import METERED_KEY, serving_command, write_test_config
 from tests.support.tiers import starts
 
@@ -39,12 +38,6 @@ def placement(ports: list[int]) -> tuple[list[dict], dict]:
     return entries, deployment
 
 
-def answers(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(1)
-        return probe.connect_ex((host, port)) == 0
-
-
 def engine_host(
     config: Path, address: str, token_file: Path, log: Path, *extra: str,
     deployment: str = "two-hosts", time_scale: str = "0.1",
@@ -53,14 +46,12 @@ def engine_host(
     command = [sys.executable, "-m", "serving.engine_host", "--config", str(config),
                "--deployment", deployment, "--listen", address, "--link-token-file",
                str(token_file), "--time-scale", time_scale, *extra]  # fmt: skip
-    launched = launch(f"engine host {address}", command, int(port), "", log)
-    deadline = time.monotonic() + 60
-    while not answers(host, int(port)):
-        if launched.process.poll() is not None or time.monotonic() > deadline:
-            launched.stop()
-            pytest.fail(f"engine host {address} did not start:\n{launched.tail()}")
-        time.sleep(0.1)
-    return launched
+    launched = launch(f"engine host {address}", command, int(port), "", log, host=host)
+    try:
+        return launched.listening(60)
+    except NotReady as exc:
+        launched.stop()
+        pytest.fail(str(exc))
 
 
 @dataclass
